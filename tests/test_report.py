@@ -1,0 +1,100 @@
+"""The compiled report: at-rest bytes per stage, collective kinds and sizes, and stage 2's
+gradient-memory saving, each asserted against its ZeRO formula (Ψ = parameter count,
+N = 8 devices, fp32 params and Adam: 4 bytes param + 4 grad + 8 optimizer per parameter)."""
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.models import GPT, GPTConfig
+from zerojax.report import parse_collectives
+from common import batches, make_init, train_step
+
+# Model state dominates activations here (seq 8, one sequence per device), as in the regime
+# ZeRO is for; with long sequences activations set the peak and hide gradient buffers.
+CFG = GPTConfig(vocab=256, d_model=256, n_layers=2, n_heads=8, seq_len=8)
+N = 8
+REPORTS = {}
+
+
+def report(stage):
+    if stage not in REPORTS:
+        zero = zj.zero_shard(stage=stage)
+        state = zero.init(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
+        step = zero(train_step)
+        data = batches(2, batch_size=N, cfg=CFG)
+        state, _ = step(state, data[0])                         # measure between steps
+        psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        REPORTS[stage] = (zero.report(step, state, data[1]), psi)
+    return REPORTS[stage]
+
+
+@pytest.mark.parametrize("stage,formula", [
+    (0, lambda psi: 12 * psi),                  # everything replicated
+    (1, lambda psi: 4 * psi + 8 * psi / N),     # optimizer state sharded
+    (2, lambda psi: 4 * psi + 8 * psi / N),     # gradients do not persist between steps
+    (3, lambda psi: 12 * psi / N),              # everything sharded
+])
+def test_at_rest_bytes_match_zero_formulas(stage, formula):
+    rep, psi = report(stage)
+    total = sum(rep.resident.values())
+    assert abs(total - formula(psi)) <= 0.02 * formula(psi) + rep.kept_replicated, (total, psi)
+    assert rep.kept_replicated < 0.02 * total       # only leaves < 1024 elements stay whole
+
+
+def test_stages_0_and_1_all_reduce_the_gradients():
+    for stage in (0, 1):
+        rep, psi = report(stage)
+        assert rep.bytes_of("reduce-scatter") == 0
+        assert rep.bytes_of("all-reduce") == pytest.approx(4 * psi, rel=0.01)  # one model, fp32
+
+
+def test_stage_2_reduce_scatters_and_saves_gradient_memory():
+    rep2, psi = report(2)
+    rep1, _ = report(1)
+    assert rep2.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)
+    # what is still all-reduced: the small leaves kept replicated, plus the loss
+    assert rep2.bytes_of("all-reduce") < 0.01 * 4 * psi
+    # stage 2 never holds the full reduced gradient: peak drops by >= half of (N-1)/N * 4Ψ
+    assert rep2.argument_bytes == rep1.argument_bytes
+    assert rep1.peak_bytes - rep2.peak_bytes >= 0.5 * (N - 1) / N * 4 * psi, (rep1, rep2)
+
+
+def test_stage_3_gathers_parameters_and_reduce_scatters_gradients():
+    rep, psi = report(3)
+    assert rep.bytes_of("all-gather") == pytest.approx(4 * psi, rel=0.01)
+    assert rep.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)
+    assert rep.bytes_of("all-reduce") < 0.01 * 4 * psi
+    rep0, _ = report(0)
+    assert rep.argument_bytes < rep0.argument_bytes / 6      # ≈ 12Ψ/N against 12Ψ
+
+
+def test_report_prints_a_table():
+    text = str(report(2)[0])
+    for word in ("params", "opt_state", "temporaries", "peak", "reduce-scatter", "f32"):
+        assert word in text
+
+
+HLO = """
+  %all-reduce.1 = f32[64,256]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %rs = bf16[8,32]{1,0} reduce-scatter(%dot.1), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}
+  %ags = (bf16[4,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%x), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %agd = bf16[16,16]{1,0} all-gather-done(%ags)
+  %a2a = s8[8,128]{1,0} all-to-all(%q), channel_id=4, replica_groups={{0,1},{2,3},{4,5},{6,7}}
+  %cp = f32[10]{0} collective-permute(%y), channel_id=5, source_target_pairs={{0,1},{1,0}}
+"""
+
+
+def test_hlo_parser_counts_each_collective_once_with_its_full_buffer():
+    got = {(c.kind, c.dtype): (c.buffer_bytes, c.group_size, c.sent_bytes)
+           for c in parse_collectives(HLO, 8)}
+    assert got == {
+        ("all-reduce", "f32"): (64 * 256 * 4, 8, 2 * 7 / 8 * 64 * 256 * 4),
+        ("reduce-scatter", "bf16"): (8 * 32 * 2 * 4, 4, 3 / 4 * 8 * 32 * 2 * 4),
+        ("all-gather", "bf16"): (16 * 16 * 2, 4, 3 / 4 * 16 * 16 * 2),
+        ("all-to-all", "s8"): (8 * 128, 2, 1 / 2 * 8 * 128),
+        ("collective-permute", "f32"): (40, 2, 40),
+    }

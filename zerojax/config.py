@@ -1,0 +1,120 @@
+"""ZeroConfig: every zerojax option, its default and its meaning, in one frozen dataclass.
+
+This module imports no jax, so configs can be built, validated and explained anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+from typing import Any, Mapping
+
+
+class ZeroError(ValueError):
+    """A user mistake zerojax detected (config, state, batch or step); the message says what
+    to change."""
+
+
+def nearest(name: str, choices) -> str:
+    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroConfig:
+    """All zerojax options. Defaults follow DeepSpeed's where DeepSpeed has the same option."""
+
+    stage: int = 0
+    """ZeRO stage. 0: data parallel. 1: optimizer state sharded. 2: gradients too.
+    3: parameters too, gathered on use. (DeepSpeed's default is 0 as well.)"""
+
+    axis: str = "data"
+    """Mesh axis over which state is sharded and the batch is split."""
+
+    persistence_threshold: int = 1024
+    """Leaves with fewer elements than this stay replicated (DeepSpeed's
+    `stage3_param_persistence_threshold`): sharding a 4 KiB leaf saves almost nothing and costs
+    one collective per step. 0 shards every leaf that has a divisible dimension."""
+
+    rules: tuple = ()
+    """User rules, checked before the default: `(regex, dim)` pairs matched with `re.search`
+    against a parameter's path such as `'Dense_0/kernel'`. `dim` is the dimension to split
+    (negative counts from the end) or None to keep the leaf replicated. Optimizer-state leaves
+    of the same path and shape follow their parameter's rule."""
+
+    explicit_collectives: bool = True
+    """Gather parameters and reduce gradients with explicit collectives around
+    `state.apply_fn` (a real reduce-scatter for stages 2-3 on every backend). False leaves every
+    collective to XLA's partitioner, which on CPU turns stage 2's reduce-scatter into an
+    all-reduce. Steps that do not call `state.apply_fn` always use XLA's collectives."""
+
+    donate: bool = True
+    """Donate the state buffers to the step so the new state reuses their memory."""
+
+    def __post_init__(self):
+        if not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
+            raise ZeroError(f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
+                              "stage 3 shards parameters, gradients and optimizer state.")
+        if not isinstance(self.axis, str) or not self.axis:
+            raise ZeroError(f"axis must be a mesh axis name such as 'data' (got {self.axis!r}).")
+        if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
+            raise ZeroError("persistence_threshold must be a number of elements >= 0 "
+                              f"(got {self.persistence_threshold!r}).")
+        rules = tuple(tuple(r) for r in self.rules)
+        for rule in rules:
+            if len(rule) != 2 or not isinstance(rule[0], str) or not (
+                    rule[1] is None or isinstance(rule[1], int)):
+                raise ZeroError(f"each rule is (regex, dim or None); got {rule!r}.")
+            try:
+                re.compile(rule[0])
+            except re.error as e:
+                raise ZeroError(f"rule regex {rule[0]!r} does not compile: {e}.") from None
+        object.__setattr__(self, "rules", rules)
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def replace(self, **overrides) -> "ZeroConfig":
+        """A copy with `overrides`; an unknown name raises ZeroError naming the nearest one."""
+        names = self.option_names()
+        for key in overrides:
+            if key not in names:
+                raise ZeroError(f"unknown zerojax option {key!r}{nearest(key, names)}; "
+                                  f"options are: {', '.join(names)}.")
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def from_json(cls, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
+                  ) -> "ZeroConfig":
+        """Read a DeepSpeed-style JSON config (a path or an already loaded dict)."""
+        from zerojax.deepspeed import options_from_deepspeed
+        if isinstance(source, Mapping):
+            data = dict(source)
+        else:
+            path = os.fspath(source)
+            try:
+                with open(path) as f:
+                    data = json.load(f)
+            except FileNotFoundError:
+                raise ZeroError(f"config file {path!r} does not exist.") from None
+            except json.JSONDecodeError as e:
+                raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
+        return cls(**options_from_deepspeed(data, strict=strict))
+
+
+def resolve_config(config=None, **overrides) -> ZeroConfig:
+    """ZeroConfig from a ZeroConfig, a JSON path or dict, or None; keyword options override it."""
+    if config is None:
+        base = ZeroConfig()
+    elif isinstance(config, ZeroConfig):
+        base = config
+    elif isinstance(config, (str, os.PathLike, Mapping)):
+        base = ZeroConfig.from_json(config)
+    else:
+        raise ZeroError("config must be a ZeroConfig, a path to a DeepSpeed JSON file or a "
+                          f"dict; got {type(config).__name__}.")
+    return base.replace(**overrides) if overrides else base

@@ -1,0 +1,85 @@
+"""DeepSpeed JSON keys -> ZeroConfig options.
+
+A key either maps to an option that acts, or is refused with a message saying why; nothing is
+accepted and then ignored (strict=False turns refusals of known-but-unsupported keys into one
+loud warning listing them).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+from zerojax.config import ZeroError, nearest
+
+# zero_optimization keys that act, and the ZeroConfig option each sets.
+ZERO_KEYS = {
+    "stage": "stage",
+    "stage3_param_persistence_threshold": "persistence_threshold",
+}
+
+# DeepSpeed keys zerojax knows but does not implement yet; each is refused with its reason.
+NOT_YET = "not implemented in zerojax yet"
+KNOWN_ZERO_KEYS = {
+    "offload_optimizer": NOT_YET, "offload_param": NOT_YET,
+    "overlap_comm": NOT_YET, "contiguous_gradients": NOT_YET, "reduce_scatter": NOT_YET,
+    "reduce_bucket_size": NOT_YET, "allgather_bucket_size": NOT_YET,
+    "allgather_partitions": NOT_YET, "round_robin_gradients": NOT_YET,
+    "sub_group_size": NOT_YET, "stage3_prefetch_bucket_size": NOT_YET,
+    "stage3_model_persistence_threshold": NOT_YET, "stage3_max_live_parameters": NOT_YET,
+    "stage3_max_reuse_distance": NOT_YET, "stage3_gather_16bit_weights_on_model_save": NOT_YET,
+    "stage3_gather_fp16_weights_on_model_save": NOT_YET,
+    "gather_16bit_weights_on_model_save": NOT_YET, "zero_hpz_partition_size": NOT_YET,
+    "zero_quantized_weights": NOT_YET, "zero_quantized_gradients": NOT_YET,
+    "mics_shard_size": NOT_YET, "ignore_unused_parameters": NOT_YET,
+    "elastic_checkpoint": NOT_YET, "load_from_fp32_weights": NOT_YET,
+}
+KNOWN_TOP_KEYS = {
+    "train_batch_size": NOT_YET, "train_micro_batch_size_per_gpu": NOT_YET,
+    "gradient_accumulation_steps": NOT_YET, "gradient_clipping": NOT_YET,
+    "fp16": NOT_YET, "bf16": NOT_YET, "communication_data_type": NOT_YET,
+    "data_types": NOT_YET, "wall_clock_breakdown": NOT_YET, "memory_breakdown": NOT_YET,
+    "steps_per_print": NOT_YET, "zero_allow_untested_optimizer": NOT_YET,
+    "optimizer": "zerojax takes the optimizer from your optax code, not from the config",
+    "scheduler": "zerojax takes the schedule from your optax code, not from the config",
+}
+
+
+def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict:
+    """ZeroConfig keyword arguments for a DeepSpeed config dict."""
+    if not isinstance(data, Mapping):
+        raise ZeroError(f"a DeepSpeed config is a JSON object; got {type(data).__name__}.")
+    options, refused = {}, []
+    for key, value in data.items():
+        if key == "zero_optimization":
+            continue
+        if key in KNOWN_TOP_KEYS:
+            refused.append((key, KNOWN_TOP_KEYS[key]))
+        else:
+            raise ZeroError(f"unknown DeepSpeed config key {key!r}"
+                              f"{nearest(key, [*KNOWN_TOP_KEYS, 'zero_optimization'])}.")
+    zero = data.get("zero_optimization", {})
+    if isinstance(zero, bool):  # legacy form: "zero_optimization": true means stage 1
+        zero = {"stage": 1 if zero else 0}
+    if not isinstance(zero, Mapping):
+        raise ZeroError("zero_optimization must be an object such as {\"stage\": 3}.")
+    for key, value in zero.items():
+        if key in ZERO_KEYS:
+            options[ZERO_KEYS[key]] = _number(f"zero_optimization.{key}", value)
+        elif key in KNOWN_ZERO_KEYS:
+            refused.append((f"zero_optimization.{key}", KNOWN_ZERO_KEYS[key]))
+        else:
+            raise ZeroError(f"unknown key zero_optimization.{key!r}"
+                              f"{nearest(key, [*ZERO_KEYS, *KNOWN_ZERO_KEYS])}.")
+    if refused:
+        lines = "\n".join(f"  {k}: {why}" for k, why in refused)
+        if strict:
+            raise ZeroError("these DeepSpeed keys cannot be honoured:\n" + lines +
+                              "\nremove them, or pass strict=False to proceed without them.")
+        warnings.warn("zerojax proceeds WITHOUT these DeepSpeed keys:\n" + lines, stacklevel=3)
+    return options
+
+
+def _number(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ZeroError(f"{name} must be a whole number; got {value!r}.")
+    return int(value)

@@ -1,0 +1,160 @@
+"""What a zerojax step really costs, read from the compiled executable (never estimated).
+
+Memory: `compiled.memory_analysis()` per device, plus the state's resident bytes on device 0
+summed from its live shards by category. Communication: every collective in the optimized HLO,
+with its dtype, the bytes of the full buffer it works on, and the bytes one device sends for it
+under the usual ring algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter /
+all-to-all (g-1)/g, collective-permute all of it), g being the replica-group size.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+import jax
+import numpy as np
+
+from zerojax.rules import OPT_STATE, OTHER, PARAMS
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "bf16": 2, "f16": 2,
+                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) +
+                 r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective instruction of the compiled program."""
+    kind: str
+    dtype: str
+    buffer_bytes: int     # the full buffer: all-reduce operand, all-gather output, RS input
+    group_size: int
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends for it under ring algorithms."""
+        g = self.group_size
+        if g <= 1:
+            return 0.0
+        factor = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(
+            self.kind, (g - 1) / g)
+        return self.buffer_bytes * factor
+
+
+def _arrays_bytes(text: str):
+    """(dtype, bytes) of every array type in an HLO shape string."""
+    return [(dt, int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]))
+            for dt, dims in _ARRAY.findall(text) if dt in _DTYPE_BYTES]
+
+
+def _group_size(attrs: str, default: int) -> int:
+    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+    if m:
+        return len(m.group(1).split(","))
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)   # iota form [groups,size]<=[...]
+    if m:
+        return int(m.group(2))
+    m = re.search(r"source_target_pairs=", attrs)
+    return 2 if m else default
+
+
+def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+    """Every collective in an HLO module's text (async `-start` halves counted once)."""
+    found = []
+    for line in hlo_text.splitlines():
+        m = _OP.search(line)
+        if not m:
+            continue
+        kind, group = m.group("op"), _group_size(m.group("attrs"), num_devices)
+        results = _arrays_bytes(m.group("result"))
+        if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
+            results = results[len(results) // 2:]
+        # Optimized HLO prints result types only: a reduce-scatter's full buffer is g results.
+        arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
+        for dtype, nbytes in arrays:
+            found.append(Collective(kind, dtype, nbytes, group))
+    return found
+
+
+@dataclasses.dataclass
+class Report:
+    """Per-device memory and per-step communication of one compiled zerojax step."""
+    stage: int
+    devices: int
+    resident: dict            # category -> bytes of the live state on device 0
+    kept_replicated: int      # bytes of leaves this stage would shard but the policy keeps whole
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    collectives: list
+
+    @property
+    def peak_bytes(self) -> int:
+        """Compiled peak per device: arguments alive for the whole step plus temporaries."""
+        return self.argument_bytes + self.temp_bytes
+
+    def comm_table(self):
+        """{(kind, dtype): [count, buffer bytes, sent bytes]} summed over the step."""
+        table = collections.defaultdict(lambda: [0, 0, 0.0])
+        for c in self.collectives:
+            row = table[(c.kind, c.dtype)]
+            row[0] += 1
+            row[1] += c.buffer_bytes
+            row[2] += c.sent_bytes
+        return dict(table)
+
+    def bytes_of(self, kind: str) -> int:
+        return sum(c.buffer_bytes for c in self.collectives if c.kind == kind)
+
+    def __str__(self):
+        mb = lambda b: f"{b / 2**20:10.3f}"
+        lines = [f"zerojax stage {self.stage} on {self.devices} devices (per device, MiB)",
+                 "state resident on device 0:"]
+        for cat in (PARAMS, OPT_STATE, OTHER):
+            lines.append(f"  {cat:<28}{mb(self.resident.get(cat, 0))}")
+        lines.append(f"  {'total':<28}{mb(sum(self.resident.values()))}")
+        lines.append(f"  {'of which kept replicated':<28}{mb(self.kept_replicated)}")
+        lines += ["compiled step (memory_analysis):",
+                  f"  {'arguments':<28}{mb(self.argument_bytes)}",
+                  f"  {'temporaries':<28}{mb(self.temp_bytes)}",
+                  f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
+                  f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
+                  "communication per step (optimized HLO):",
+                  f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"]
+        for (kind, dtype), (count, buf, sent) in sorted(self.comm_table().items()):
+            lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}")
+        if not self.collectives:
+            lines.append("  (none)")
+        return "\n".join(lines)
+
+
+def resident_bytes(zero, state, device=None):
+    """(bytes by category, bytes kept replicated) of `state`'s shards living on `device`."""
+    device = device or zero.mesh.devices.flat[0]
+    by_cat = collections.Counter()
+    kept = 0
+    for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state)):
+        nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+        by_cat[plan.category] += nbytes
+        sharded_here = plan.category == OPT_STATE or (plan.category == PARAMS
+                                                      and zero.config.stage == 3)
+        if sharded_here and zero.config.stage >= 1 and plan.reason.startswith("replicated"):
+            kept += nbytes
+    return dict(by_cat), kept
+
+
+def build_report(zero, step, state, batch, *extra) -> Report:
+    compiled = step.lower(state, batch, *extra).compile()
+    mem = compiled.memory_analysis()
+    resident, kept = resident_bytes(zero, state)
+    return Report(stage=zero.config.stage, devices=zero.axis_size, resident=resident,
+                  kept_replicated=kept, argument_bytes=int(mem.argument_size_in_bytes),
+                  output_bytes=int(mem.output_size_in_bytes),
+                  alias_bytes=int(mem.alias_size_in_bytes),
+                  temp_bytes=int(mem.temp_size_in_bytes),
+                  collectives=parse_collectives(compiled.as_text(), zero.axis_size))

@@ -1,0 +1,149 @@
+"""Sharding rules: (leaf path, shape, stage, options) -> PartitionSpec.
+
+One rule serves every leaf of a train state, optimizer state included: a leaf is split along
+its largest dimension that divides the axis size, unless a user rule names the dimension or it
+is too small to be worth a collective. Optimizer-state leaves are matched to the parameter of
+the same path suffix and shape (never by optimizer type), so Adam's moments follow their
+parameter while Adafactor's factored moments get the default rule for their own shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from zerojax.config import ZeroError, ZeroConfig
+
+PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
+LARGE_REPLICATED_BYTES = 1 << 20  # warn when a leaf this big must stay replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """Where one state leaf lives and why."""
+    path: str            # e.g. 'params/Dense_0/kernel'
+    category: str        # PARAMS, OPT_STATE or OTHER
+    shape: tuple
+    dtype: str
+    spec: P
+    reason: str          # 'sharded dim 1', 'replicated: below persistence threshold', ...
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * jax.numpy.dtype(self.dtype).itemsize
+
+
+def key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path) -> str:
+    return "/".join(key_name(k) for k in path)
+
+
+def split_spec(shape, axis: str, n: int, cfg: ZeroConfig, path: str = "",
+               user_rules: bool = True) -> tuple[P, str]:
+    """Spec for a leaf that this stage shards, and the reason for the choice."""
+    ndim = len(shape)
+    if user_rules:
+        for pattern, dim in cfg.rules:
+            if re.search(pattern, path):
+                if dim is None:
+                    return P(), f"replicated: rule {pattern!r}"
+                if not -ndim <= dim < ndim:
+                    raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r}, which "
+                                      f"has shape {tuple(shape)}.")
+                dim %= ndim
+                if shape[dim] % n:
+                    raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
+                                      f"{tuple(shape)}), which does not divide by {n} devices; "
+                                      "name another dim or None to replicate it.")
+                return _spec_on(dim, ndim, axis), f"sharded dim {dim} (rule {pattern!r})"
+    if n == 1:
+        return P(), "replicated: one device"
+    if math.prod(shape) < cfg.persistence_threshold or ndim == 0:
+        return P(), "replicated: below persistence threshold"
+    divisible = [d for d in range(ndim) if shape[d] % n == 0]
+    if not divisible:
+        return P(), f"replicated: no dim divides by {n}"
+    dim = max(divisible, key=lambda d: (shape[d], -d))
+    return _spec_on(dim, ndim, axis), f"sharded dim {dim}"
+
+
+def _spec_on(dim: int, ndim: int, axis: str) -> P:
+    return P(*([None] * dim + [axis] + [None] * (ndim - dim - 1)))
+
+
+def category_of(path) -> str:
+    head = key_name(path[0]) if path else ""
+    return head if head in (PARAMS, OPT_STATE) else OTHER
+
+
+def plan_state(state, cfg: ZeroConfig, axis_size: int) -> tuple[object, list[LeafPlan]]:
+    """Storage PartitionSpecs for every leaf of `state` (a pytree of arrays or ShapeDtypeStructs)
+    and the per-leaf plan. The state must hold its parameters under a `params` field or key."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    if not any(category_of(p) == PARAMS for p, _ in leaves):
+        raise ZeroError(
+            f"the state ({type(state).__name__}) has no `params`: zerojax needs the parameters "
+            "under a field or key named `params` (a flax TrainState, or a dict/dataclass with "
+            "`params` and `opt_state`).")
+    param_specs = {}
+    plans = []
+    for path, leaf in leaves:
+        cat = category_of(path)
+        if cat == PARAMS:
+            sub = path_str(path[1:])
+            spec, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub)
+            param_specs[sub] = (tuple(leaf.shape), spec, reason)
+            if cfg.stage < 3:
+                spec, reason = P(), f"replicated: stage {cfg.stage} keeps parameters whole"
+        elif cat == OPT_STATE and cfg.stage >= 1:
+            spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
+                                         axis_size)
+        elif cat == OPT_STATE:
+            spec, reason = P(), "replicated: stage 0"
+        else:
+            spec, reason = P(), "replicated: not params or optimizer state"
+        plans.append(LeafPlan(path_str(path), cat, tuple(leaf.shape), str(leaf.dtype), spec,
+                              reason))
+    _warn_large_replicated(plans, axis_size)
+    return jax.tree_util.tree_unflatten(treedef, [p.spec for p in plans]), plans
+
+
+def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int):
+    """An optimizer leaf takes the spec of the parameter whose path ends its own and whose shape
+    is its own; any other leaf (factored moments, counts) gets the default rule."""
+    for ppath in sorted(param_specs, key=len, reverse=True):  # longest matching path wins
+        pshape, spec, reason = param_specs[ppath]
+        if pshape == tuple(shape) and (path == ppath or path.endswith("/" + ppath)):
+            return spec, reason
+    return split_spec(shape, cfg.axis, n, cfg, path, user_rules=False)
+
+
+def _warn_large_replicated(plans, n):
+    big = [p for p in plans if p.reason.startswith("replicated: no dim")
+           and p.nbytes >= LARGE_REPLICATED_BYTES]
+    if big:
+        names = ", ".join(f"{p.path} {p.shape} ({p.nbytes / 2**20:.1f} MiB)" for p in big[:5])
+        warnings.warn(f"zerojax keeps these large leaves replicated because no dimension "
+                      f"divides by {n}: {names}. Give them a divisible shape (e.g. pad the "
+                      "vocabulary) or use a device count that divides one of their dims.",
+                      stacklevel=3)
+
+
+def variables_specs(variables, cfg: ZeroConfig, axis_size: int):
+    """Specs of the `variables` a step passes to `apply_fn`, matching their storage: the
+    `params` collection as the state's parameters, every other collection replicated."""
+    def spec(path, leaf):
+        if cfg.stage == 3 and path and key_name(path[0]) == PARAMS:
+            return split_spec(leaf.shape, cfg.axis, axis_size, cfg, path_str(path[1:]))[0]
+        return P()
+    return jax.tree_util.tree_map_with_path(spec, variables)
