@@ -1,6 +1,7 @@
 """zerojax: DeepSpeed's ZeRO stages as sharding rules over a JAX device mesh."""
 from zerojax.config import ZeroError, ZeroConfig
-from zerojax.engine import ZeroShard, ZeroStep, zero_shard
+from zerojax.engine import ZeroShard, zero_shard
+from zerojax.step import ZeroStep
 from zerojax.mesh import make_mesh
 
 __all__ = ["ZeroError", "ZeroConfig", "ZeroShard", "ZeroStep", "make_mesh", "zero_shard"]

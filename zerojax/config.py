@@ -54,6 +54,50 @@ class ZeroConfig:
     donate: bool = True
     """Donate the state buffers to the step so the new state reuses their memory."""
 
+    # ---- precision (DeepSpeed's `bf16` / `fp16` blocks) ---------------------------------------
+    precision: str = "fp32"
+    """'fp32', 'bf16' or 'fp16'. 16-bit: parameters are stored and used for compute in 16 bits,
+    fp32 master weights live with the optimizer state (sharded from stage 1), and after each
+    update the 16-bit copy is exactly `master.astype(dtype)`."""
+
+    grad_reduce_dtype: str = "fp32"
+    """dtype of the gradient all-reduce / reduce-scatter (DeepSpeed `communication_data_type`).
+    fp32 by default (exact sums); 'bf16'/'fp16' halve the bytes and round each sum."""
+
+    grad_accum_dtype: str = "fp32"
+    """dtype of the gradient accumulation buffers (DeepSpeed `data_types.grad_accum_dtype`).
+    fp32 by default: DeepSpeed's bf16 default there is a known source of divergence."""
+
+    loss_scale: float = 0.0
+    """fp16 only. 0: dynamic loss scaling; any other value: that static scale."""
+
+    initial_scale_power: int = 16
+    """fp16 dynamic scaling starts at 2**initial_scale_power."""
+
+    loss_scale_window: int = 1000
+    """fp16: the scale doubles after this many consecutive steps without overflow."""
+
+    hysteresis: int = 2
+    """fp16: overflows tolerated (each still skips its step) before the scale is halved."""
+
+    min_loss_scale: float = 1.0
+    """fp16: the scale never goes below this; overflowing there raises an error."""
+
+    # ---- the update ----------------------------------------------------------------------------
+    gradient_accumulation_steps: int = 1
+    """k: the step is called once per micro-batch and every k-th call applies the update with
+    the mean of the k gradients (one optimizer step on a k-times larger batch)."""
+
+    accumulate: str = "auto"
+    """Where gradients accumulate between micro-batches. 'local': each device sums its own
+    unreduced gradients and they are reduced once per optimizer step (communication does not
+    grow with k; full-size fp32 buffer per device; stages 0-2). 'reduced': reduce every
+    micro-batch into the stage's gradient layout (sharded for stages 2-3: least memory,
+    k times the gradient communication). 'auto': local for stages 0-2, reduced for stage 3."""
+
+    gradient_clipping: float = 0.0
+    """Clip the (accumulated, unscaled) gradient to this global L2 norm; 0 turns it off."""
+
     def __post_init__(self):
         if not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ZeroError(f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
@@ -73,6 +117,44 @@ class ZeroConfig:
             except re.error as e:
                 raise ZeroError(f"rule regex {rule[0]!r} does not compile: {e}.") from None
         object.__setattr__(self, "rules", rules)
+        self._check_update_options()
+
+    def _check_update_options(self):
+        _choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        _choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
+        _choice("grad_accum_dtype", self.grad_accum_dtype, ("fp32", "bf16", "fp16"))
+        _choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
+        if not isinstance(self.gradient_accumulation_steps, int) or \
+                self.gradient_accumulation_steps < 1:
+            raise ZeroError("gradient_accumulation_steps must be an integer >= 1 (got "
+                            f"{self.gradient_accumulation_steps!r}).")
+        if self.accumulate == "local" and self.stage == 3:
+            raise ZeroError("accumulate='local' keeps a full-size gradient buffer per device, "
+                            "which stage 3 exists to avoid: use accumulate='reduced' (or 'auto').")
+        if not self.gradient_clipping >= 0:
+            raise ZeroError(f"gradient_clipping must be >= 0 (got {self.gradient_clipping!r}).")
+        scaling = {f: getattr(self, f) for f in _SCALING}
+        if self.precision != "fp16":
+            changed = [f for f, v in scaling.items() if v != _SCALING[f]]
+            if changed:
+                raise ZeroError(f"{', '.join(changed)} only apply with precision='fp16' (got "
+                                f"precision={self.precision!r}); bf16 and fp32 need no loss scale.")
+        elif not (self.loss_scale >= 0 and self.min_loss_scale > 0 and self.hysteresis >= 1
+                  and self.loss_scale_window >= 1 and self.initial_scale_power >= 0):
+            raise ZeroError("fp16 loss scaling needs loss_scale >= 0, min_loss_scale > 0, "
+                            "hysteresis >= 1, loss_scale_window >= 1, initial_scale_power >= 0.")
+
+    @property
+    def accumulates_locally(self) -> bool:
+        """Whether micro-batch gradients stay per device until the optimizer step."""
+        return self.gradient_accumulation_steps > 1 and (
+            self.accumulate == "local" or (self.accumulate == "auto" and self.stage < 3))
+
+    @property
+    def manages_update(self) -> bool:
+        """Whether zerojax takes over the update (master weights, scaling, accumulation, clip)."""
+        return (self.precision != "fp32" or self.gradient_accumulation_steps > 1
+                or self.gradient_clipping > 0)
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -104,6 +186,16 @@ class ZeroConfig:
             except json.JSONDecodeError as e:
                 raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
         return cls(**options_from_deepspeed(data, strict=strict))
+
+
+_SCALING = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
+            "hysteresis": 2, "min_loss_scale": 1.0}
+
+
+def _choice(name, value, allowed):
+    if value not in allowed:
+        raise ZeroError(f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
+                        f"{nearest(str(value), allowed)}.")
 
 
 def resolve_config(config=None, **overrides) -> ZeroConfig:

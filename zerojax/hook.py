@@ -2,10 +2,12 @@
 
 Inside a zerojax step, `state.apply_fn(variables, *args)` runs the unchanged model once per
 device on that device's slice of the batch (`shard_map`), with full parameter copies from
-`comm.device_copies`. Gradients therefore leave the model unreduced, one block per device, and
-`device_copies`' backward reduces them: all-reduce for stages 0-1, reduce-scatter for 2-3.
-Everything outside the model (loss, optimizer update) stays in XLA's global view, so any optax
-transformation, global-norm clipping included, sees exactly the single-device numbers.
+`comm.device_copies` in the compute dtype. Gradients therefore leave the model unreduced, one
+block per device, and `device_copies`' backward reduces them: all-reduce for stages 0-1,
+reduce-scatter for 2-3. Everything outside the model (loss, optimizer update) stays in XLA's
+global view, so any optax transformation, global-norm clipping included, sees exactly the
+single-device numbers. With fp16, the cotangent entering the model is multiplied by the loss
+scale and the parameter gradients are divided by it (in fp32) as they leave.
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.gather import device_copies
+from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, key_name, path_str, split_spec, variables_specs
 
 
@@ -26,11 +29,20 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
-def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: list):
+def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
+    """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
+    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
+    return tuple(dtype if path and key_name(path[0]) == PARAMS else None
+                 for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0])
+
+
+def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: list, scale=None):
     """`apply_fn` with explicit collectives; `batch_rows` holds the global batch sizes (leading
-    dims of the step's batch leaves), and each call appends to `calls`."""
+    dims of the step's batch leaves), each call appends to `calls`, and `scale` is the fp16
+    loss scale (None without loss scaling)."""
     axis = cfg.axis
     n = mesh.shape[axis]
+    dtypes_reduce = DTYPES[cfg.grad_reduce_dtype]
 
     def grad_spec(path, leaf):
         if cfg.stage >= 2 and path and key_name(path[0]) == PARAMS:
@@ -43,7 +55,9 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
         store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n)))
         grads = tuple(jax.tree_util.tree_leaves(
             jax.tree_util.tree_map_with_path(grad_spec, variables)))
-        copies = device_copies(tuple(leaves), store, grads, mesh, axis)
+        copies = device_copies(tuple(leaves), scale, store, grads, mesh, axis,
+                               (_compute_dtypes(variables, cfg), dtypes_reduce,
+                                tuple(x.dtype for x in leaves)))
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
@@ -65,8 +79,22 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
             _check_outputs(out, {r // n for r in batch_rows})
             return out
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(tuple(P(axis) for _ in leaves), in_specs),
-                             out_specs=P(axis))(copies, tuple(flat[i] for i in dynamic))
+        out = jax.shard_map(body, mesh=mesh, in_specs=(tuple(P(axis) for _ in leaves), in_specs),
+                            out_specs=P(axis))(copies, tuple(flat[i] for i in dynamic))
+        return out if scale is None else scale_cotangent(out, scale)
+    return apply
+
+
+def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
+    """`apply_fn` for steps that already run per device: compute-dtype casts and loss scaling,
+    no collectives (the step reduces the gradients itself)."""
+    def apply(variables, *args, **kwargs):
+        calls.append(True)
+        leaves, var_tree = jax.tree_util.tree_flatten(variables)
+        copies = compute_copies(tuple(leaves), scale, (_compute_dtypes(variables, cfg),
+                                                       tuple(x.dtype for x in leaves)))
+        out = apply_fn(jax.tree_util.tree_unflatten(var_tree, list(copies)), *args, **kwargs)
+        return out if scale is None else scale_cotangent(out, scale)
     return apply
 
 

@@ -1,17 +1,22 @@
 """What a zerojax step really costs, read from the compiled executable (never estimated).
 
 Memory: `compiled.memory_analysis()` per device, plus the state's resident bytes on device 0
-summed from its live shards by category. Communication: every collective in the optimized HLO,
-with its dtype, the bytes of the full buffer it works on, and the bytes one device sends for it
-under the usual ring algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter /
-all-to-all (g-1)/g, collective-permute all of it), g being the replica-group size.
+summed from its live shards by category. Communication: every collective of the HLO module
+right after SPMD partitioning (dumped during compilation), where each collective still has the
+dtype the program sends (the CPU compiler later upcasts 16-bit collectives to f32), with the
+bytes of the full buffer it works on and the bytes one device sends for it under the usual ring
+algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter / all-to-all
+(g-1)/g, collective-permute all of it), g being the replica-group size.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import glob
 import math
+import os
 import re
+import tempfile
 
 import jax
 import numpy as np
@@ -73,7 +78,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         results = _arrays_bytes(m.group("result"))
         if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
             results = results[len(results) // 2:]
-        # Optimized HLO prints result types only: a reduce-scatter's full buffer is g results.
+        # Read from the results: a reduce-scatter's full buffer is g times its result.
         arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
         for dtype, nbytes in arrays:
             found.append(Collective(kind, dtype, nbytes, group))
@@ -124,7 +129,7 @@ class Report:
                   f"  {'temporaries':<28}{mb(self.temp_bytes)}",
                   f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
                   f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
-                  "communication per step (optimized HLO):",
+                  "communication per optimizer step (HLO after SPMD partitioning):",
                   f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"]
         for (kind, dtype), (count, buf, sent) in sorted(self.comm_table().items()):
             lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}")
@@ -148,13 +153,35 @@ def resident_bytes(zero, state, device=None):
     return dict(by_cat), kept
 
 
+def compile_with_partitioned_hlo(lowered):
+    """(compiled executable, text of the HLO module right after SPMD partitioning)."""
+    with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
+        compiled = lowered.compile({"xla_dump_to": tmp,
+                                    "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+        if not found:
+            raise RuntimeError("XLA wrote no module after SPMD partitioning; cannot count "
+                               "collectives at their sent dtype.")
+        with open(found[-1]) as f:
+            return compiled, f.read()
+
+
 def build_report(zero, step, state, batch, *extra) -> Report:
-    compiled = step.lower(state, batch, *extra).compile()
+    """Memory and communication of one optimizer step. With k-step gradient accumulation the
+    communication of the k-1 accumulate-only calls is added and the peak is the larger one."""
+    k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
+    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra))
+    collectives = parse_collectives(hlo, zero.axis_size)
     mem = compiled.memory_analysis()
+    temp = int(mem.temp_size_in_bytes)
+    if k > 1:
+        micro, micro_hlo = compile_with_partitioned_hlo(
+            step.lower(state, batch, *extra, micro=True))
+        collectives += parse_collectives(micro_hlo, zero.axis_size) * (k - 1)
+        temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
     resident, kept = resident_bytes(zero, state)
     return Report(stage=zero.config.stage, devices=zero.axis_size, resident=resident,
                   kept_replicated=kept, argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
-                  alias_bytes=int(mem.alias_size_in_bytes),
-                  temp_bytes=int(mem.temp_size_in_bytes),
-                  collectives=parse_collectives(compiled.as_text(), zero.axis_size))
+                  alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=temp,
+                  collectives=collectives)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.config import ZeroError, ZeroConfig
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
+PER_DEVICE = "per_device"   # opt_state field of per-device buffers: (devices, *shape), split dim 0
 LARGE_REPLICATED_BYTES = 1 << 20  # warn when a leaf this big must stay replicated
 
 
@@ -105,6 +106,8 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int) -> tuple[object, list[Lea
             param_specs[sub] = (tuple(leaf.shape), spec, reason)
             if cfg.stage < 3:
                 spec, reason = P(), f"replicated: stage {cfg.stage} keeps parameters whole"
+        elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
+            spec, reason = _spec_on(0, len(leaf.shape), cfg.axis), "per-device buffer"
         elif cat == OPT_STATE and cfg.stage >= 1:
             spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
                                          axis_size)

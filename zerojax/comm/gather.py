@@ -1,17 +1,23 @@
 """Per-device parameter copies whose backward is the ZeRO gradient reduction.
 
 `device_copies` turns stored leaves (replicated, or split on one dim) into a stacked
-`(n, *shape)` array whose block on device i is device i's full copy: no communication for a
-replicated leaf, an all-gather for a split one. Its backward receives each device's own,
-unreduced gradient block and reduces it with the collective the stage calls for: a
-reduce-scatter (`psum_scatter`) when the gradient is to be stored split, else an all-reduce.
-Written with `shard_map` because XLA's partitioner on CPU never emits reduce-scatter.
+`(n, *shape)` array whose block on device i is device i's full copy, cast to the compute dtype
+first so a stage-3 all-gather moves 16-bit weights; no communication for a replicated leaf.
+Its backward receives each device's own, unreduced gradient block and reduces it in the
+configured dtype with the collective the stage calls for: a reduce-scatter (`psum_scatter`)
+when the gradient is to be stored split, else an all-reduce; then it divides by the loss scale
+in fp32 and returns the gradient in the leaf's own dtype. Written with `shard_map` because
+XLA's partitioner on CPU never emits reduce-scatter.
+
+`compute_copies` is the same cast and unscale without collectives, for steps that already run
+per device.
 """
 from __future__ import annotations
 
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 
@@ -23,13 +29,28 @@ def split_dim(spec: P, axis: str):
     return None
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def device_copies(leaves: tuple, store_specs: tuple, grad_specs: tuple, mesh, axis: str):
-    """Stacked full copies, one per device, of each leaf (see the module docstring)."""
+def _to_compute(x, compute_dtype):
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    return x.astype(compute_dtype) if floating and compute_dtype is not None else x
+
+
+def _unscale(ct, scale, dtype):
+    """Gradient back in the leaf's dtype, divided by the loss scale in fp32 (if scaled)."""
+    if scale is None:
+        return ct.astype(dtype)
+    return (ct.astype(jnp.float32) / scale).astype(dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def device_copies(leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, mesh, axis: str,
+                  dtypes: tuple):
+    """Stacked full copies, one per device, of each leaf (see the module docstring).
+    `dtypes` = (per-leaf compute dtypes, each None to keep the leaf's; reduce dtype or None;
+    per-leaf dtypes of `leaves`, the gradients' dtypes)."""
     def gather(*xs):
         out = []
-        for x, spec in zip(xs, store_specs):
-            dim = split_dim(spec, axis)
+        for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0]):
+            x, dim = _to_compute(x, compute_dtype), split_dim(spec, axis)
             full = x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True)
             out.append(full[None])
         return tuple(out)
@@ -37,21 +58,66 @@ def device_copies(leaves: tuple, store_specs: tuple, grad_specs: tuple, mesh, ax
                          out_specs=tuple(P(axis) for _ in leaves))(*leaves)
 
 
-def _copies_fwd(leaves, store_specs, grad_specs, mesh, axis):
-    return device_copies(leaves, store_specs, grad_specs, mesh, axis), None
+def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, axis, dtypes):
+    return device_copies(leaves, scale, store_specs, grad_specs, mesh, axis, dtypes), scale
 
 
-def _copies_bwd(store_specs, grad_specs, mesh, axis, _, cotangents):
+def _copies_bwd(store_specs, grad_specs, mesh, axis, dtypes, scale, cotangents):
+    _, reduce_dtype, primal_dtypes = dtypes
+
     def reduce(*cts):
         out = []
         for ct, spec in zip(cts, grad_specs):
             ct, dim = ct[0], split_dim(spec, axis)
+            if reduce_dtype is not None and jnp.issubdtype(ct.dtype, jnp.floating):
+                ct = ct.astype(reduce_dtype)
             out.append(jax.lax.psum(ct, axis) if dim is None else
                        jax.lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True))
         return tuple(out)
     grads = jax.shard_map(reduce, mesh=mesh, in_specs=tuple(P(axis) for _ in cotangents),
                           out_specs=grad_specs)(*cotangents)
-    return (grads,)
+    grads = tuple(_unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes))
+    return grads, None if scale is None else jnp.zeros_like(scale)
 
 
 device_copies.defvjp(_copies_fwd, _copies_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def compute_copies(leaves: tuple, scale, dtypes: tuple):
+    """Leaves cast to their compute dtypes; backward divides by the loss scale in fp32.
+    `dtypes` = (per-leaf compute dtypes, per-leaf dtypes of `leaves`)."""
+    return tuple(_to_compute(x, dt) for x, dt in zip(leaves, dtypes[0]))
+
+
+def _compute_fwd(leaves, scale, dtypes):
+    return compute_copies(leaves, scale, dtypes), scale
+
+
+def _compute_bwd(dtypes, scale, cotangents):
+    primal_dtypes = dtypes[1]
+    grads = tuple(_unscale(g, scale, dt) for g, dt in zip(cotangents, primal_dtypes))
+    return grads, None if scale is None else jnp.zeros_like(scale)
+
+
+compute_copies.defvjp(_compute_fwd, _compute_bwd)
+
+
+@jax.custom_vjp
+def scale_cotangent(tree, scale):
+    """Identity whose backward multiplies the cotangent by `scale` (fp16 loss scaling applied
+    where the model's output enters the loss)."""
+    return tree
+
+
+def _scale_fwd(tree, scale):
+    return tree, scale
+
+
+def _scale_bwd(scale, ct):
+    return (jax.tree_util.tree_map(lambda c: (c.astype(jnp.float32) * scale).astype(c.dtype)
+                                   if jnp.issubdtype(c.dtype, jnp.floating) else c, ct),
+            jnp.zeros_like(scale))
+
+
+scale_cotangent.defvjp(_scale_fwd, _scale_bwd)

@@ -1,0 +1,188 @@
+"""The update zerojax manages around ANY optax transformation: fp32 master weights for 16-bit
+training, fp16 dynamic loss scaling (DeepSpeed's semantics), gradient accumulation and
+global-norm clipping.
+
+`prepare_state` turns a user's TrainState into a managed one: 16-bit `params`, a `ZeroOptState`
+holding the user's optimizer state beside the master weights and buffers, and a `ZeroTx` in
+place of the user's `tx`. Inside a zerojax step, the user's unchanged
+`state.apply_gradients(grads=grads)` calls `ZeroTx.update`, which only hands the gradients to
+the step; the step then calls `apply_update`, which runs the user's optimizer in fp32 on the
+master weights, in XLA's global view (so clipping and factored optimizers see whole tensors).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from zerojax.config import ZeroConfig, ZeroError
+
+DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+class ZeroOptState(NamedTuple):
+    """Optimizer-side state of a managed train state (all of it checkpointed with the state)."""
+    inner: Any                 # the user's optax state, on fp32 master shapes
+    master: Any                # fp32 master weights; () when parameters are fp32 already
+    accum: Any                 # 'reduced' accumulation: summed gradients in parameter layout
+    per_device: Any            # 'local' accumulation: (devices, *shape) unreduced sums per leaf
+    micro: jax.Array           # int32: micro-batches accumulated since the last update
+    scale: jax.Array           # f32: loss scale (1 unless fp16)
+    good_steps: jax.Array      # int32: steps since the last overflow (scale growth window)
+    hysteresis: jax.Array      # int32: overflows left before the scale drops
+    skipped: jax.Array         # int32: optimizer steps skipped because of overflow
+    last_skipped: jax.Array    # bool: the last optimizer step was skipped
+    grad_norm: jax.Array       # f32: global norm of the last applied mean gradient, unclipped
+    overflow_at_min_scale: jax.Array  # bool: overflowed with the scale already at its minimum
+
+
+_GRAD_SINK = contextvars.ContextVar("zerojax_grad_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_gradients():
+    """Collects the gradients `ZeroTx.update` receives while the user's step is traced."""
+    sink = []
+    token = _GRAD_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _GRAD_SINK.reset(token)
+
+
+class ZeroTx:
+    """Stands in for the user's optax transformation in a managed state: `update` hands the
+    gradients to the zerojax step (which applies them) and returns zero updates."""
+
+    def __init__(self, inner: optax.GradientTransformation):
+        self.inner = inner
+
+    def __eq__(self, other):
+        return isinstance(other, ZeroTx) and other.inner == self.inner
+
+    def __hash__(self):
+        return hash((ZeroTx, self.inner))
+
+    def init(self, params):
+        raise ZeroError("this state's optimizer is managed by zerojax: create states with "
+                        "zero.init(...) or zero.shard(state), not tx.init.")
+
+    def update(self, grads, state, params=None, **extra_args):
+        sink = _GRAD_SINK.get()
+        if sink is None:
+            raise ZeroError("apply_gradients on a zerojax-managed state only works inside a "
+                            "step decorated with its zero_shard.")
+        sink.append(grads)
+        return jax.tree_util.tree_map(jnp.zeros_like, grads), state
+
+
+def present(tree) -> bool:
+    """False for the `()` placeholder of a buffer this configuration does not need."""
+    return not (isinstance(tree, tuple) and not tree)
+
+
+def _floating(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
+
+
+def cast_floating(tree, dtype):
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _floating(x) else x, tree)
+
+
+def prepare_state(state, cfg: ZeroConfig, axis_size: int):
+    """A managed copy of `state` (unchanged if already managed). Runs under jit in zero.init."""
+    if isinstance(getattr(state, "opt_state", None), ZeroOptState):
+        return state
+    if not all(hasattr(state, f) for f in ("params", "opt_state", "tx", "replace")):
+        raise ZeroError("precision, gradient accumulation and clipping need a state with "
+                        "`params`, `opt_state` and `tx` (a flax TrainState); got "
+                        f"{type(state).__name__}.")
+    params32 = cast_floating(state.params, jnp.float32)
+    k, accum_dtype = cfg.gradient_accumulation_steps, DTYPES[cfg.grad_accum_dtype]
+    zeros = lambda shape_prefix: jax.tree_util.tree_map(
+        lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32)
+    local = cfg.accumulates_locally
+    scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
+    opt = ZeroOptState(
+        inner=state.opt_state,
+        master=params32 if cfg.precision != "fp32" else (),
+        accum=zeros(()) if k > 1 and not local else (),
+        per_device=zeros((axis_size,)) if local else (),
+        micro=jnp.zeros((), jnp.int32), scale=jnp.asarray(scale, jnp.float32),
+        good_steps=jnp.zeros((), jnp.int32), hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
+        skipped=jnp.zeros((), jnp.int32), last_skipped=jnp.zeros((), bool),
+        grad_norm=jnp.zeros((), jnp.float32), overflow_at_min_scale=jnp.zeros((), bool))
+    return state.replace(params=cast_floating(state.params, DTYPES[cfg.precision]),
+                         opt_state=opt, tx=ZeroTx(state.tx))
+
+
+def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:
+    """A micro-step that does not update: add `grads` to the 'reduced' buffer (if any)."""
+    accum = opt.accum if not present(opt.accum) else jax.tree_util.tree_map(
+        lambda a, g: a + g.astype(a.dtype), opt.accum, grads)
+    return opt._replace(accum=accum, micro=opt.micro + 1)
+
+
+def apply_update(state, old_step, grads, cfg: ZeroConfig):
+    """The optimizer step: mean over micro-batches, overflow check (fp16), clipping, the user's
+    optimizer on the fp32 master weights, then params = master.astype(dtype)."""
+    opt: ZeroOptState = state.opt_state
+    k = cfg.gradient_accumulation_steps
+    grads = cast_floating(grads, jnp.float32)
+    if present(opt.accum):
+        grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, opt.accum, grads)
+    if k > 1:
+        grads = jax.tree_util.tree_map(lambda g: g / k, grads)
+    norm = optax.global_norm(grads)
+    finite = jnp.isfinite(norm) if cfg.precision == "fp16" else jnp.asarray(True)
+    if cfg.gradient_clipping > 0:
+        grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
+            grads, optax.EmptyState())
+    master = opt.master if present(opt.master) else state.params
+
+    def update(master, inner):
+        updates, inner = state.tx.inner.update(grads, inner, master)
+        return optax.apply_updates(master, updates), inner
+
+    if cfg.precision == "fp16":     # an overflowing step changes nothing but the loss scale
+        new_master, inner = jax.lax.cond(finite, update, lambda m, i: (m, i), master, opt.inner)
+    else:
+        new_master, inner = update(master, opt.inner)
+    scale, good, hyst, at_min = _next_loss_scale(opt, finite, cfg)
+    opt = opt._replace(
+        inner=inner, master=new_master if present(opt.master) else (),
+        accum=jax.tree_util.tree_map(jnp.zeros_like, opt.accum),
+        micro=jnp.zeros((), jnp.int32), scale=scale, good_steps=good, hysteresis=hyst,
+        skipped=opt.skipped + (~finite).astype(jnp.int32), last_skipped=~finite,
+        grad_norm=jnp.where(finite, norm, opt.grad_norm), overflow_at_min_scale=at_min)
+    params = cast_floating(new_master, DTYPES[cfg.precision])
+    return state.replace(params=params, opt_state=opt,
+                         step=old_step + finite.astype(jnp.asarray(old_step).dtype))
+
+
+def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):
+    """DeepSpeed's DynamicLossScaler: an overflow skips the step and, once `hysteresis`
+    overflows have been seen, halves the scale (not below min_loss_scale); every
+    `loss_scale_window` clean steps double it and restore the hysteresis."""
+    if cfg.precision != "fp16" or cfg.loss_scale:
+        return opt.scale, opt.good_steps, opt.hysteresis, jnp.asarray(False)
+    overflow = ~finite
+    drop = overflow & (opt.hysteresis <= 1)
+    good = jnp.where(overflow, 0, opt.good_steps + 1)
+    grow = finite & (good % cfg.loss_scale_window == 0)
+    scale = jnp.where(drop, jnp.maximum(opt.scale / 2, cfg.min_loss_scale), opt.scale)
+    scale = jnp.where(grow, scale * 2, scale)
+    hyst = jnp.where(overflow & ~drop, opt.hysteresis - 1, opt.hysteresis)
+    hyst = jnp.where(grow, cfg.hysteresis, hyst)
+    at_min = drop & (opt.scale <= cfg.min_loss_scale)
+    return scale, good, hyst, at_min
+
+
+def update_metrics(opt: ZeroOptState) -> dict:
+    """What the step adds to a metrics dict when zerojax manages the update."""
+    return {"grad_norm": opt.grad_norm, "loss_scale": opt.scale, "step_skipped": opt.last_skipped,
+            "skipped_steps": opt.skipped, "micro_step": opt.micro}

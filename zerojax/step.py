@@ -1,0 +1,276 @@
+"""ZeroStep: the user's unchanged train step, jitted with the ZeRO shardings.
+
+Three ways to trace it, by configuration:
+- plain: the user's step as is, with the `apply_fn` hook placing the collectives;
+- managed (16-bit, clipping, 'reduced' accumulation): the step sees fp32 views of its
+  parameters, its `apply_gradients` hands the gradients over (`optim.ZeroTx`), and zerojax
+  applies the update on the fp32 master weights in XLA's global view (`optim.apply_update`);
+- local accumulation (stages 0-2, k > 1): the whole step runs per device, as under DDP's
+  `no_sync`: each device sums its own gradients, and only the k-th micro-batch reduces them,
+  once, before the same `apply_update`.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from zerojax.config import ZeroError
+from zerojax.hook import hooked_apply_fn, local_apply_fn
+from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, capture_gradients,
+                           cast_floating, update_metrics)
+from zerojax.comm.gather import split_dim
+from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
+
+
+class ZeroStep:
+    """A zerojax train step: a `jax.jit` function with the state's shardings, donation and
+    batch placement. `.lower(state, batch)` gives the usual jax `Lowered` for inspection."""
+
+    def __init__(self, zero, fn):
+        self.zero, self.fn = zero, fn
+        self._jitted = {}
+        self.used_explicit_collectives = None  # known after the first trace
+        self._warned = False
+        self._last_state, self._next_micro, self._min_scale_flag = None, 0, None
+        functools.update_wrapper(self, fn)
+
+    # ---- calling -----------------------------------------------------------------------------
+    def __call__(self, state, batch, *extra):
+        self._raise_if_scale_exhausted()
+        micro_index = self._micro_index(state)
+        jitted, shardings, batch = self._prepare(state, batch, extra, self._is_micro(micro_index))
+        _check_placed(state, shardings)
+        out = jitted(state, batch, *extra)
+        self._warn_if_not_hooked()
+        new_state = out[0] if isinstance(out, tuple) else out
+        k = self.zero.config.gradient_accumulation_steps
+        self._last_state, self._next_micro = new_state, (micro_index + 1) % k
+        if self.zero.config.precision == "fp16" and not self.zero.config.loss_scale:
+            self._min_scale_flag = (new_state.opt_state.overflow_at_min_scale,
+                                    new_state.opt_state.scale)
+        return out
+
+    def lower(self, state, batch, *extra, micro: bool = False):
+        """Lower the optimizer-step variant (or, with micro=True, the accumulate-only one)."""
+        jitted, _, batch = self._prepare(state, batch, extra, micro)
+        lowered = jitted.lower(state, batch, *extra)
+        self._warn_if_not_hooked()
+        return lowered
+
+    def _micro_index(self, state) -> int:
+        cfg = self.zero.config
+        if not cfg.manages_update:
+            return 0
+        if not isinstance(getattr(state, "opt_state", None), ZeroOptState):
+            raise ZeroError("this zero_shard manages the update (precision, accumulation or "
+                            "clipping): create the state with zero.init(...) or zero.shard(state) "
+                            "so it carries the master weights and buffers.")
+        if cfg.gradient_accumulation_steps == 1:
+            return 0
+        if state is self._last_state:
+            return self._next_micro
+        return int(state.opt_state.micro)       # a state from elsewhere: read its position once
+
+    def _is_micro(self, micro_index: int) -> bool:
+        return micro_index < self.zero.config.gradient_accumulation_steps - 1
+
+    def _raise_if_scale_exhausted(self):
+        if self._min_scale_flag is not None and bool(self._min_scale_flag[0]):
+            raise ZeroError(
+                f"fp16 gradients still overflow with the loss scale at min_loss_scale="
+                f"{self.zero.config.min_loss_scale}: training cannot proceed (the last state "
+                "returned holds the last good parameters). Lower the learning rate, use "
+                "precision='bf16', or lower min_loss_scale.")
+
+    def _prepare(self, state, batch, extra, micro: bool):
+        """(jitted function, state shardings, placed batch), compiled once per layout/variant."""
+        batch = self.zero.place_batch(batch)
+        key = (jax.tree_util.tree_structure((state, batch, extra)), micro,
+               tuple(np.shape(x) for x in jax.tree_util.tree_leaves((state, batch))))
+        if key not in self._jitted:
+            shardings = self.zero.state_shardings(state)
+            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
+            jitted = jax.jit(functools.partial(self._traced, shardings, rows, micro),
+                             donate_argnums=(0,) if self.zero.config.donate else ())
+            self._jitted[key] = (jitted, shardings)
+        return (*self._jitted[key], batch)
+
+    # ---- tracing -----------------------------------------------------------------------------
+    def _traced(self, shardings, batch_rows, micro, state, batch, *extra):
+        cfg = self.zero.config
+        state = jax.lax.with_sharding_constraint(state, shardings)
+        if cfg.manages_update and cfg.accumulates_locally:
+            out = self._traced_local(shardings, micro, state, batch, *extra)
+        else:
+            out = self._traced_global(batch_rows, micro, state, batch, *extra)
+        return _constrain_new_state(out, state, shardings)
+
+    def _traced_global(self, batch_rows, micro, state, batch, *extra):
+        cfg, mesh = self.zero.config, self.zero.mesh
+        original, calls = getattr(state, "apply_fn", None), []
+        managed = cfg.manages_update
+        scale = state.opt_state.scale if managed and cfg.precision == "fp16" else None
+        view = state
+        if managed:
+            view = view.replace(params=cast_floating(state.params, jnp.float32))
+        if cfg.explicit_collectives and callable(original) and hasattr(state, "replace"):
+            view = view.replace(apply_fn=hooked_apply_fn(original, mesh, cfg, batch_rows, calls,
+                                                         scale))
+        elif managed and cfg.precision != "fp32":
+            raise ZeroError("16-bit precision casts parameters where state.apply_fn uses them: "
+                            "keep explicit_collectives=True and call state.apply_fn in the step.")
+        with capture_gradients() as sink:
+            out = self.fn(view, batch, *extra)
+        self.used_explicit_collectives = bool(calls)
+        new_state, rest = _split(out, state)
+        if original is not None:
+            new_state = new_state.replace(apply_fn=original)
+        if not managed:
+            return (new_state, *rest) if rest is not None else new_state
+        grads = _one_capture(sink)
+        new_state = new_state.replace(params=state.params, opt_state=state.opt_state)
+        if micro:
+            new_state = new_state.replace(opt_state=accumulate(state.opt_state, grads),
+                                          step=state.step)
+        else:
+            new_state = apply_update(new_state, state.step, grads, cfg)
+        return _with_metrics(new_state, rest)
+
+    def _traced_local(self, shardings, micro, state, batch, *extra):
+        cfg, mesh, axis = self.zero.config, self.zero.mesh, self.zero.config.axis
+        n = self.zero.axis_size
+        specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
+        param_grad_specs = jax.tree_util.tree_map_with_path(
+            lambda p, x: split_spec(x.shape, axis, n, cfg, path_str(p))[0] if cfg.stage >= 2
+            else P(), state.params)
+        original, calls = state.apply_fn, []
+        scale = state.opt_state.scale if cfg.precision == "fp16" else None
+
+        def body(state, batch, extra):
+            view = state.replace(params=cast_floating(state.params, jnp.float32),
+                                 apply_fn=local_apply_fn(original, cfg, calls, scale))
+            with capture_gradients() as sink:
+                out = self.fn(view, batch, *extra)
+            grads = _one_capture(sink)
+            new_state, rest = _split(out, state)
+            opt = state.opt_state
+            sums = jax.tree_util.tree_map(lambda a, g: a + g[None].astype(a.dtype),
+                                          opt.per_device, grads)
+            reduced = ()
+            if not micro:    # one reduction per optimizer step; the mean over devices, as DDP
+                reduced = jax.tree_util.tree_map(
+                    lambda s, spec: _reduce(s[0], spec, axis, DTYPES[cfg.grad_reduce_dtype]) / n,
+                    sums, param_grad_specs)
+                sums = jax.tree_util.tree_map(jnp.zeros_like, sums)
+            new_state = _sync_other_fields(new_state.replace(
+                params=state.params, opt_state=opt._replace(per_device=sums), step=state.step,
+                apply_fn=original), axis)
+            return new_state, reduced, _device_mean(rest, axis)
+
+        batch_specs = jax.tree_util.tree_map(lambda x: P(axis) if np.ndim(x) else P(), batch)
+        new_state, reduced, rest = jax.shard_map(
+            body, mesh=mesh, in_specs=(specs, batch_specs, P()),
+            out_specs=(specs, param_grad_specs if not micro else P(), P()),
+            check_vma=False)(state, batch, extra)
+        self.used_explicit_collectives = bool(calls)
+        if micro:
+            new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
+        else:
+            new_state = apply_update(new_state, state.step, reduced, cfg)
+        return _with_metrics(new_state, rest)
+
+    def _warn_if_not_hooked(self):
+        if (self.zero.config.explicit_collectives and self.used_explicit_collectives is False
+                and self.zero.config.stage >= 2 and not self._warned):
+            self._warned = True
+            warnings.warn(f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
+                          "partitioner places the collectives (on CPU, stage 2 then all-reduces "
+                          "the gradients instead of reduce-scattering them).", stacklevel=3)
+
+
+def _reduce(x, spec, axis, dtype):
+    dim = split_dim(spec, axis)
+    x = x.astype(dtype)
+    x = jax.lax.psum(x, axis) if dim is None else jax.lax.psum_scatter(
+        x, axis, scatter_dimension=dim, tiled=True)
+    return x.astype(jnp.float32)
+
+
+def _from_device_0(tree, axis):
+    """Every device takes device 0's value of each leaf (state fields a per-device step may
+    have changed differently on each device)."""
+    def pick(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(pick(jax.random.key_data(x)),
+                                            impl=jax.random.key_impl(x))
+        return jax.lax.all_gather(x, axis)[0]
+    return jax.tree_util.tree_map(pick, tree)
+
+
+def _sync_other_fields(state, axis):
+    """Fields besides params and opt_state (an rng, user counters) from device 0."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else _from_device_0(x, axis),
+        state)
+
+
+def _device_mean(tree, axis):
+    """Floating metrics averaged over devices (each saw its own slice), others from device 0."""
+    if tree is None:
+        return None
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.pmean(x, axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        else _from_device_0(x, axis), tree)
+
+
+def _one_capture(sink):
+    if len(sink) != 1:
+        raise ZeroError(f"a zerojax step must call state.apply_gradients exactly once (it was "
+                        f"called {len(sink)} times).")
+    return sink[0]
+
+
+def _split(out, state):
+    """(new state, the rest of the step's outputs as a tuple, or None if it returned a state)."""
+    if type(out) is type(state):
+        return out, None
+    if isinstance(out, tuple) and out and type(out[0]) is type(state):
+        return out[0], tuple(out[1:])
+    raise ZeroError("a zerojax step must return the new state, or a tuple whose first item "
+                    f"is the new state ({type(state).__name__}).")
+
+
+def _with_metrics(new_state, rest):
+    """Add the update's metrics to a metrics dict the step returned (keys it has win)."""
+    if rest is None:
+        return new_state
+    if rest and isinstance(rest[0], dict):
+        rest = ({**update_metrics(new_state.opt_state), **rest[0]}, *rest[1:])
+    return (new_state, *rest)
+
+
+def _check_placed(state, shardings):
+    """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
+    for (path, leaf), want in zip(jax.tree_util.tree_flatten_with_path(state)[0],
+                                  jax.tree_util.tree_leaves(shardings)):
+        have = getattr(leaf, "sharding", None)
+        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+            raise ZeroError(
+                f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
+                f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
+                "or place it with zero.shard(state).")
+
+
+def _constrain_new_state(out, state, shardings):
+    """Pin the returned state (alone, or first of a tuple) to the storage shardings."""
+    new, rest = _split(out, state)
+    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):
+        raise ZeroError("the state a zerojax step returns must have the structure of the state "
+                        f"it received ({type(state).__name__}); did the step add or drop fields?")
+    new = jax.lax.with_sharding_constraint(new, shardings)
+    return new if rest is None else (new, *rest)
