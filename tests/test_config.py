@@ -43,7 +43,13 @@ def test_deepspeed_dict_and_legacy_bool():
     ({"zero_optimization": {"stage": 4}}, "stage must be 0, 1, 2 or 3"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
      "zero_optimization.offload_param: not implemented"),
-    ({"fp16": {"enabled": True}}, "fp16: not implemented"),
+    ({"train_batch_size": 64}, "train_batch_size: not implemented"),
+    ({"fp16": {"enabled": True, "hysterisis": 2}}, "did you mean 'hysteresis'"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
+    ({"fp16": {"enabled": False, "loss_scale": 8}}, "not enabled"),
+    ({"communication_data_type": "fp8"}, "must be one of fp32, fp16, bf16"),
+    ({"data_types": {"grad_acum_dtype": "fp32"}}, "did you mean 'grad_accum_dtype'"),
+    ({"gradient_accumulation_step": 2}, "did you mean 'gradient_accumulation_steps'"),
 ])
 def test_bad_deepspeed_configs(data, match):
     with pytest.raises(zj.ZeroError, match=match):
@@ -67,3 +73,29 @@ def test_bad_files(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
     assert zj.ZeroConfig.from_json(good).stage == 3
+
+
+def test_deepspeed_precision_accumulation_and_clipping_keys():
+    cfg = zj.ZeroConfig.from_json({
+        "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+        "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+        "communication_data_type": "bf16", "data_types": {"grad_accum_dtype": "fp32"}})
+    assert (cfg.stage, cfg.precision, cfg.gradient_accumulation_steps, cfg.gradient_clipping,
+            cfg.grad_reduce_dtype, cfg.grad_accum_dtype) == (2, "bf16", 4, 1.0, "bf16", "fp32")
+    fp16 = zj.ZeroConfig.from_json({"fp16": {
+        "enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+        "hysteresis": 3, "min_loss_scale": 0.5}})
+    assert (fp16.precision, fp16.loss_scale, fp16.initial_scale_power, fp16.loss_scale_window,
+            fp16.hysteresis, fp16.min_loss_scale) == ("fp16", 0.0, 12, 500, 3, 0.5)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"precision": "bf16", "hysteresis": 4}, "only apply with precision='fp16'"),
+    ({"precision": "fp8"}, "precision must be one of"),
+    ({"stage": 3, "accumulate": "local", "gradient_accumulation_steps": 2}, "stage 3 exists"),
+    ({"gradient_accumulation_steps": 0}, ">= 1"),
+    ({"precision": "fp16", "min_loss_scale": 0.0}, "min_loss_scale > 0"),
+])
+def test_bad_update_options(kwargs, match):
+    with pytest.raises(zj.ZeroError, match=match):
+        zj.ZeroConfig(**kwargs)

@@ -73,3 +73,30 @@ def test_a_good_state_is_left_usable_after_a_failed_call(zero_and_state):
         zero(train_step)(state, batches(1, batch_size=12)[0])
     new_state, metrics = zero(train_step)(state, batches(1)[0])   # nothing was donated
     assert np.isfinite(float(metrics["loss"]))
+
+
+def test_managed_update_needs_a_managed_state():
+    zero = zj.zero_shard(stage=2, precision="bf16")
+    plain = zj.zero_shard(stage=2).init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    with pytest.raises(zj.ZeroError, match="zero.init\\(...\\) or zero.shard\\(state\\)"):
+        zero(train_step)(plain, batches(1)[0])
+    managed = zero.shard(plain)                      # shard() adds master weights and buffers
+    state, metrics = zero(train_step)(managed, batches(1)[0])
+    assert np.isfinite(float(metrics["loss"])) and "loss_scale" in metrics
+
+
+def test_apply_gradients_twice_in_a_managed_step():
+    zero = zj.zero_shard(stage=1, gradient_clipping=1.0)
+    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    def twice(state, batch):
+        new, metrics = train_step(state, batch)
+        return train_step(new, batch)
+    with pytest.raises(zj.ZeroError, match="exactly once"):
+        zero(twice)(state, batches(1)[0])
+
+
+def test_bf16_needs_the_apply_fn_hook():
+    zero = zj.zero_shard(stage=2, precision="bf16", explicit_collectives=False)
+    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    with pytest.raises(zj.ZeroError, match="explicit_collectives=True"):
+        zero(train_step)(state, batches(1)[0])

@@ -33,11 +33,15 @@ KNOWN_ZERO_KEYS = {
     "mics_shard_size": NOT_YET, "ignore_unused_parameters": NOT_YET,
     "elastic_checkpoint": NOT_YET, "load_from_fp32_weights": NOT_YET,
 }
+# Top-level keys that act: handled by _top_level below.
+TOP_KEYS = ("fp16", "bf16", "gradient_accumulation_steps", "gradient_clipping",
+            "communication_data_type", "data_types")
+FP16_KEYS = {"loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
+             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
+             "min_loss_scale": "min_loss_scale"}
 KNOWN_TOP_KEYS = {
     "train_batch_size": NOT_YET, "train_micro_batch_size_per_gpu": NOT_YET,
-    "gradient_accumulation_steps": NOT_YET, "gradient_clipping": NOT_YET,
-    "fp16": NOT_YET, "bf16": NOT_YET, "communication_data_type": NOT_YET,
-    "data_types": NOT_YET, "wall_clock_breakdown": NOT_YET, "memory_breakdown": NOT_YET,
+    "wall_clock_breakdown": NOT_YET, "memory_breakdown": NOT_YET,
     "steps_per_print": NOT_YET, "zero_allow_untested_optimizer": NOT_YET,
     "optimizer": "zerojax takes the optimizer from your optax code, not from the config",
     "scheduler": "zerojax takes the schedule from your optax code, not from the config",
@@ -52,11 +56,15 @@ def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict
     for key, value in data.items():
         if key == "zero_optimization":
             continue
-        if key in KNOWN_TOP_KEYS:
+        if key in TOP_KEYS:
+            options.update(_top_level(key, value, refused))
+        elif key in KNOWN_TOP_KEYS:
             refused.append((key, KNOWN_TOP_KEYS[key]))
         else:
             raise ZeroError(f"unknown DeepSpeed config key {key!r}"
-                              f"{nearest(key, [*KNOWN_TOP_KEYS, 'zero_optimization'])}.")
+                              f"{nearest(key, [*TOP_KEYS, *KNOWN_TOP_KEYS, 'zero_optimization'])}.")
+    if data.get("fp16", {}).get("enabled") and data.get("bf16", {}).get("enabled"):
+        raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
     zero = data.get("zero_optimization", {})
     if isinstance(zero, bool):  # legacy form: "zero_optimization": true means stage 1
         zero = {"stage": 1 if zero else 0}
@@ -77,6 +85,59 @@ def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict
                               "\nremove them, or pass strict=False to proceed without them.")
         warnings.warn("zerojax proceeds WITHOUT these DeepSpeed keys:\n" + lines, stacklevel=3)
     return options
+
+
+DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
+               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _top_level(key: str, value, refused: list) -> dict:
+    """ZeroConfig options for one of TOP_KEYS."""
+    if key in ("fp16", "bf16"):
+        if not isinstance(value, Mapping):
+            raise ZeroError(f"{key} must be an object such as {{\"enabled\": true}}.")
+        allowed = ["enabled", *(FP16_KEYS if key == "fp16" else ())]
+        out = {}
+        for sub, v in value.items():
+            if sub in allowed[1:]:
+                out[FP16_KEYS[sub]] = float(v) if sub in ("loss_scale", "min_loss_scale") \
+                    else _number(f"fp16.{sub}", v)
+            elif sub == "enabled":
+                continue
+            elif sub in ("consecutive_hysteresis", "auto_cast", "immediate_grad_update",
+                         "check_grad_overflow"):
+                if v:
+                    refused.append((f"{key}.{sub}", NOT_YET))
+            else:
+                raise ZeroError(f"unknown key {key}.{sub!r}{nearest(sub, allowed)}.")
+        if not value.get("enabled", False):
+            if any(k in FP16_KEYS for k in value):
+                raise ZeroError(f"{key} sets loss-scaling keys but is not enabled.")
+            return {}
+        return {"precision": key, **out}
+    if key == "gradient_accumulation_steps":
+        return {"gradient_accumulation_steps": _number(key, value)}
+    if key == "gradient_clipping":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ZeroError(f"gradient_clipping must be a number; got {value!r}.")
+        return {"gradient_clipping": float(value)}
+    if key == "communication_data_type":
+        return {"grad_reduce_dtype": _dtype(key, value)}
+    if not isinstance(value, Mapping):   # data_types
+        raise ZeroError("data_types must be an object such as {\"grad_accum_dtype\": \"fp32\"}.")
+    out = {}
+    for sub, v in value.items():
+        if sub != "grad_accum_dtype":
+            raise ZeroError(f"unknown key data_types.{sub!r}{nearest(sub, ['grad_accum_dtype'])}.")
+        out["grad_accum_dtype"] = _dtype(f"data_types.{sub}", v)
+    return out
+
+
+def _dtype(name: str, value) -> str:
+    if value not in DTYPE_NAMES:
+        raise ZeroError(f"{name} must be one of fp32, fp16, bf16; got {value!r}"
+                        f"{nearest(str(value), DTYPE_NAMES)}.")
+    return DTYPE_NAMES[value]
 
 
 def _number(name: str, value) -> int:

@@ -137,7 +137,7 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig):
         grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, opt.accum, grads)
     if k > 1:
         grads = jax.tree_util.tree_map(lambda g: g / k, grads)
-    norm = optax.global_norm(grads)
+    norm = optax.tree.norm(grads)
     finite = jnp.isfinite(norm) if cfg.precision == "fp16" else jnp.asarray(True)
     if cfg.gradient_clipping > 0:
         grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
@@ -160,8 +160,10 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig):
         skipped=opt.skipped + (~finite).astype(jnp.int32), last_skipped=~finite,
         grad_norm=jnp.where(finite, norm, opt.grad_norm), overflow_at_min_scale=at_min)
     params = cast_floating(new_master, DTYPES[cfg.precision])
+    # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
+    # returned state matches the input's avals and the step does not compile twice
     return state.replace(params=params, opt_state=opt,
-                         step=old_step + finite.astype(jnp.asarray(old_step).dtype))
+                         step=jnp.where(finite, old_step + 1, old_step))
 
 
 def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):

@@ -108,6 +108,8 @@ class ZeroStep:
             out = self._traced_local(shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(batch_rows, micro, state, batch, *extra)
+        if cfg.precision != "fp32" and not micro:
+            out = _cast_before_gather(out, state, shardings)
         return _constrain_new_state(out, state, shardings)
 
     def _traced_global(self, batch_rows, micro, state, batch, *extra):
@@ -264,6 +266,15 @@ def _check_placed(state, shardings):
                 f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
                 f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
                 "or place it with zero.shard(state).")
+
+
+def _cast_before_gather(out, state, shardings):
+    """New 16-bit params laid out like their fp32 master first, so that stages 1-2 all-gather
+    them in 16 bits (XLA would otherwise gather the fp32 master and cast after)."""
+    new, rest = _split(out, state)
+    new = new.replace(params=jax.lax.with_sharding_constraint(
+        new.params, shardings.opt_state.master))
+    return new if rest is None else (new, *rest)
 
 
 def _constrain_new_state(out, state, shardings):

@@ -1,0 +1,262 @@
+"""Mixed precision with fp32 master weights, fp16 loss scaling, gradient accumulation and
+clipping, each against plain single-device optax."""
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.models import GPT, PRESETS
+from zerojax.models.data import random_windows, stdlib_tokens
+from common import (assert_params_close, batches, make_init, train_single_device, train_step,
+                    train_zero)
+
+ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)   # eps: see test_parity.py
+
+
+_REFERENCES = {}
+
+
+def reference(name, make_tx, steps, batch_size):
+    """Single-device training on batches(steps, batch_size), computed once per test session."""
+    key = (name, steps, batch_size)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = train_single_device(make_tx(), batches(steps, batch_size=batch_size))
+    return _REFERENCES[key]
+
+
+def _tree_equal(a, b):
+    return all(bool(jnp.array_equal(x, y)) for x, y in
+               zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+# ---- bf16 -------------------------------------------------------------------------------------
+def test_bf16_follows_fp32_over_200_steps_on_the_demo_model():
+    cfg = PRESETS["demo"]
+    model = GPT(cfg)
+    data = [{"inputs": w[:, :-1], "targets": w[:, 1:]}
+            for w in random_windows(stdlib_tokens(), 201, 16, cfg.seq_len)]
+    exact = jax.jit(lambda p, m: jax.tree_util.tree_map(
+        lambda x, y: jnp.array_equal(x, y.astype(x.dtype)), p, m))
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        zero = zj.zero_shard(stage=3, precision=precision)
+        state = zero.init(make_init(optax.adamw(1e-3), model, cfg), jax.random.key(0))
+        step = zero(train_step)
+        losses = []
+        for batch in data:
+            state, metrics = step(state, batch)
+            losses.append(float(metrics["loss"]))
+            if precision == "bf16":   # the 16-bit copy is exactly master.astype(bf16), always
+                assert all(jax.tree_util.tree_leaves(exact(state.params, state.opt_state.master)))
+        curves[precision] = losses
+        if precision == "bf16":
+            assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+            assert {x.dtype for x in jax.tree_util.tree_leaves(state.opt_state.master)} == {
+                jnp.dtype(jnp.float32)}
+    for i in (0, 50, 100, 150, 200):
+        assert abs(curves["bf16"][i] - curves["fp32"][i]) <= 0.02 * curves["fp32"][i], i
+    assert curves["bf16"][200] < 0.7 * curves["bf16"][0]           # and it did learn
+
+
+@pytest.mark.parametrize("stage,reduce_kind", [(1, "all-reduce"), (2, "reduce-scatter"),
+                                               (3, "reduce-scatter")])
+def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(stage,
+                                                                              reduce_kind):
+    # stage 3 gathers weights for compute, stages 1-2 gather the updated weights: both in bf16
+    for reduce_dtype, sent_dtype in (("fp32", "f32"), ("bf16", "bf16")):
+        zero = zj.zero_shard(stage=stage, precision="bf16", grad_reduce_dtype=reduce_dtype)
+        state = zero.init(make_init(ADAMW()), jax.random.key(0))
+        rep = zero.report(zero(train_step), state, batches(1)[0])
+        kinds = {(c.kind, c.dtype) for c in rep.collectives if c.buffer_bytes > 1024}
+        assert kinds == {("all-gather", "bf16"), (reduce_kind, sent_dtype)}, kinds
+
+
+# ---- fp16 loss scaling --------------------------------------------------------------------------
+def poisonable_step(state, batch):
+    """The usual step; a batch with poison = inf makes every gradient non-finite."""
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch["inputs"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return loss * batch["poison"].mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _fp16(data, **options):
+    zero = zj.zero_shard(stage=2, precision="fp16", **options)
+    state = zero.init(make_init(ADAMW()), jax.random.key(0))
+    return zero, state, zero(poisonable_step)
+
+
+def _no_nan(state):
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state)
+               if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def test_fp16_huge_initial_scale_skips_then_trains():
+    data = [{**b, "poison": np.ones(16, np.float32)} for b in batches(30)]
+    zero, state, step = _fp16(data, initial_scale_power=32)
+    scales, skipped = [], []
+    for batch in data:
+        state, m = step(state, batch)
+        scales.append(float(m["loss_scale"]))
+        skipped.append(bool(m["step_skipped"]))
+        assert _no_nan(state)
+    assert skipped[0] and skipped[1] and not skipped[-1]
+    first_good = skipped.index(False)
+    assert scales[first_good] < 2.0 ** 32                      # the scale fell ...
+    assert int(state.step) == len(data) - first_good           # ... skipped steps did not count
+    assert int(m["skipped_steps"]) == first_good
+    assert float(m["loss"]) < float(np.mean([1.0]) * 6)        # and training proceeded
+
+
+def test_injected_inf_is_skipped_with_hysteresis():
+    ok = {"poison": np.ones(16, np.float32)}
+    bad = {"poison": np.full(16, np.inf, np.float32)}
+    data = batches(8)
+    zero, state, step = _fp16(data, initial_scale_power=8, hysteresis=2)
+    for batch in data[:3]:
+        state, m = step(state, {**batch, **ok})
+    scale, step_count = float(m["loss_scale"]), int(state.step)
+    before = jax.tree_util.tree_map(np.array, (state.params, state.opt_state.inner))
+    state, m = step(state, {**data[3], **bad})      # 1st overflow: skipped, hysteresis absorbs it
+    assert bool(m["step_skipped"]) and float(m["loss_scale"]) == scale
+    state, m = step(state, {**data[4], **bad})      # 2nd overflow: skipped, the scale halves
+    assert bool(m["step_skipped"]) and float(m["loss_scale"]) == scale / 2
+    assert int(state.step) == step_count and _no_nan(state)
+    assert _tree_equal((state.params, state.opt_state.inner), before)
+    state, m = step(state, {**data[5], **ok})
+    assert not bool(m["step_skipped"]) and int(state.step) == step_count + 1
+    assert int(m["skipped_steps"]) == 2
+
+
+def test_overflow_at_min_loss_scale_is_an_error_not_a_loop():
+    bad = {"poison": np.full(16, np.inf, np.float32)}
+    zero, state, step = _fp16(None, initial_scale_power=1, hysteresis=1, min_loss_scale=1.0)
+    with pytest.raises(zj.ZeroError, match="min_loss_scale"):
+        for batch in batches(5):
+            state, _ = step(state, {**batch, **bad})
+
+
+def test_static_loss_scale():
+    zero, state, step = _fp16(None, loss_scale=128.0)
+    for batch in batches(3):
+        state, m = step(state, {**batch, "poison": np.ones(16, np.float32)})
+    assert float(m["loss_scale"]) == 128.0 and int(state.step) == 3
+
+
+# ---- accumulation -------------------------------------------------------------------------------
+def _micro(batch, k):
+    b = len(batch["inputs"]) // k
+    return [jax.tree_util.tree_map(lambda x: x[i * b:(i + 1) * b], batch) for i in range(k)]
+
+
+@pytest.mark.parametrize("stage,mode", [(0, "local"), (1, "local"), (2, "local"),
+                                        (0, "reduced"), (2, "reduced"), (3, "reduced")])
+def test_k_micro_batches_equal_one_big_batch(stage, mode):
+    data = batches(3, batch_size=32)
+    ref_state, _ = reference("adamw", ADAMW, 3, 32)
+    zero = zj.zero_shard(stage=stage, gradient_accumulation_steps=4, accumulate=mode)
+    state = zero.init(make_init(ADAMW()), jax.random.key(0))
+    step = zero(train_step)
+    for batch in data:
+        for micro in _micro(batch, 4):
+            state, metrics = step(state, micro)
+        assert int(metrics["micro_step"]) == 0
+    assert int(state.step) == 3
+    assert_params_close(state.params, ref_state.params)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_local_accumulation_communicates_once_per_optimizer_step(stage):
+    sent = {}
+    for k in (1, 4):
+        zero = zj.zero_shard(stage=stage, gradient_accumulation_steps=k, gradient_clipping=1e9)
+        state = zero.init(make_init(ADAMW()), jax.random.key(0))
+        rep = zero.report(zero(train_step), state, batches(1, batch_size=8)[0])
+        sent[k] = sum(c.buffer_bytes for c in rep.collectives)
+    # gradient (4Ψ) and parameter collectives are the same for every k; what grows is scalars
+    # only (the loss averaged over devices on each accumulate-only call): < 0.1% of the bytes
+    assert sent[4] - sent[1] < 1e-3 * sent[1], sent
+
+
+def test_reduced_accumulation_reduces_every_micro_batch():
+    sizes = {}
+    for k in (1, 4):
+        zero = zj.zero_shard(stage=3, gradient_accumulation_steps=k, gradient_clipping=1e9)
+        state = zero.init(make_init(ADAMW()), jax.random.key(0))
+        rep = zero.report(zero(train_step), state, batches(1, batch_size=8)[0])
+        sizes[k] = rep.bytes_of("reduce-scatter")
+    assert sizes[4] == 4 * sizes[1]
+
+
+# ---- clipping and any optimizer -----------------------------------------------------------------
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_clipping_equals_optax_clip_by_global_norm(stage):
+    data = batches(4)
+    ref_state, ref_losses = reference(
+        "clip", lambda: optax.chain(optax.clip_by_global_norm(0.05), ADAMW()), 4, 16)
+    zero = zj.zero_shard(stage=stage, gradient_clipping=0.05)
+    state, losses = train_zero(zero, ADAMW(), data)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_params_close(state.params, ref_state.params)
+
+
+OPTIMIZERS = {
+    "adamw": ADAMW,
+    "sgd_momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adafactor": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=32),
+    "lion": lambda: optax.lion(1e-4),
+    "multi_transform": lambda: optax.multi_transform(
+        {"adamw": ADAMW(), "lion": optax.lion(1e-4)},
+        lambda p: jax.tree_util.tree_map_with_path(
+            lambda path, _: "lion" if "block" in jax.tree_util.keystr(path) else "adamw", p)),
+    "inject_hyperparams_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=optax.linear_schedule(1e-3, 1e-4, 4), eps=1e-5),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_managed_update_matches_single_device_for_any_optimizer(name, stage):
+    data = batches(2, batch_size=32)
+    ref_state, _ = reference(name, OPTIMIZERS[name], 2, 32)
+    zero = zj.zero_shard(stage=stage, gradient_accumulation_steps=2)
+    state = zero.init(make_init(OPTIMIZERS[name]()), jax.random.key(0))
+    step = zero(train_step)
+    for batch in data:
+        for micro in _micro(batch, 2):
+            state, _ = step(state, micro)
+    assert_params_close(state.params, ref_state.params, atol=2e-6)
+
+
+class _Compiles(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        self.count += record.getMessage().startswith("Compiling jit(_traced)")
+
+
+@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"gradient_accumulation_steps": 2},
+                                     {"precision": "fp16", "gradient_accumulation_steps": 2,
+                                      "accumulate": "reduced"}])
+def test_each_step_variant_compiles_once(options):
+    # the state a step returns must have the avals (dtype, weak type) of the one it received
+    zero = zj.zero_shard(stage=1, **options)
+    state = zero.init(make_init(ADAMW()), jax.random.key(0))
+    step = zero(train_step)
+    compiles = _Compiles()
+    logging.getLogger("jax").addHandler(compiles)
+    try:
+        with jax.log_compiles():
+            for batch in batches(6, batch_size=8):
+                state, _ = step(state, batch)
+    finally:
+        logging.getLogger("jax").removeHandler(compiles)
+    assert compiles.count == len(step._jitted) == options.get("gradient_accumulation_steps", 1)
