@@ -17,13 +17,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models import GPT, PRESETS  # noqa: E402
+from zerojax.models.gpt import make_init, train_step  # noqa: E402
 
 AT_REST = {0: lambda p, n: 12 * p, 1: lambda p, n: 4 * p + 8 * p / n,
            2: lambda p, n: 4 * p + 8 * p / n, 3: lambda p, n: 12 * p / n}
@@ -42,18 +41,8 @@ def main(argv=None):
     model = GPT(cfg)
     batch = np.random.default_rng(0).integers(0, cfg.vocab, (args.batch_size, args.seq_len + 1),
                                               dtype=np.int32)
+    init_fn = make_init(model, optax.adam(1e-3))
 
-    def init_fn(key):
-        params = model.init(key, jnp.zeros((1, args.seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=optax.adam(1e-3))
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
 
     rows = []
     for stage in range(4):

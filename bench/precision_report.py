@@ -19,12 +19,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models import GPT, PRESETS  # noqa: E402
+from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.data import random_windows, stdlib_tokens  # noqa: E402
 
 AT_REST = {("fp32", 0): (12, 0), ("fp32", 1): (4, 8), ("fp32", 2): (4, 8), ("fp32", 3): (0, 12),
@@ -33,20 +32,7 @@ AT_REST = {("fp32", 0): (12, 0), ("fp32", 1): (4, 8), ("fp32", 2): (4, 8), ("fp3
 
 def setup(preset):
     cfg = PRESETS[preset]
-    model = GPT(cfg)
-
-    def init_fn(key):
-        params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=optax.adamw(1e-3))
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
-    return cfg, init_fn, train_step
+    return cfg, make_init(GPT(cfg), optax.adamw(1e-3)), train_step
 
 
 def main(argv=None):

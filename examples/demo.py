@@ -16,12 +16,11 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
-import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from flax.training import train_state  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models import GPT, PRESETS  # noqa: E402
+from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.data import random_windows, stdlib_tokens  # noqa: E402
 
 
@@ -36,23 +35,11 @@ def main(argv=None):
     p.add_argument("--clip", type=float, default=0.0, help="global-norm gradient clipping")
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
-    model = GPT(cfg)
+    init_fn = make_init(GPT(cfg), optax.adamw(1e-3))
     tokens = stdlib_tokens()
     data = random_windows(tokens, args.steps, args.batch_size, cfg.seq_len)
     print(f"{len(jax.devices())} devices, preset {args.preset}, "
           f"{len(tokens) / 2**20:.1f} MiB of stdlib source as byte tokens")
-
-    def init_fn(key):
-        params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=optax.adamw(1e-3))
-
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits = state.apply_fn({"params": params}, batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), {"loss": loss}
 
     for stage in [int(s) for s in args.stages.split(",")]:
         zero = zj.zero_shard(stage=stage, precision=args.precision,

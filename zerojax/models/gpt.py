@@ -57,3 +57,26 @@ class GPT(nn.Module):
         for i in range(cfg.n_layers):
             x = Block(cfg, name=f"block_{i}")(x)
         return nn.Dense(cfg.vocab, name="head")(nn.LayerNorm()(x))
+
+
+def make_init(model: GPT, tx):
+    """`init_fn(key) -> TrainState` for `model` and the optax transformation `tx`."""
+    from flax.training import train_state
+
+    def init_fn(key):
+        tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
+        return train_state.TrainState.create(apply_fn=model.apply,
+                                             params=model.init(key, tokens)["params"], tx=tx)
+    return init_fn
+
+
+def train_step(state, batch):
+    """The plain single-device next-token step on a (batch, seq_len + 1) token array."""
+    import jax
+    import optax
+
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
