@@ -260,3 +260,16 @@ def test_each_step_variant_compiles_once(options):
     finally:
         logging.getLogger("jax").removeHandler(compiles)
     assert compiles.count == len(step._jitted) == options.get("gradient_accumulation_steps", 1)
+
+
+def test_report_splits_master_weights_and_gradient_buffers():
+    # bf16, stage 2, k = 2 local: params 2Ψ (replicated), master 4Ψ/N, gradient buffer 4Ψ
+    # (each device's own full-size sum), all within the bytes of leaves kept whole (< 1024 el.)
+    zero = zj.zero_shard(stage=2, precision="bf16", gradient_accumulation_steps=2)
+    state = zero.init(make_init(ADAMW()), jax.random.key(0))
+    psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    rep = zero.report(zero(train_step), state, batches(1, batch_size=8)[0])
+    assert rep.resident["params"] == 2 * psi
+    assert rep.resident["gradient buffers"] == 4 * psi
+    assert abs(rep.resident["master weights"] - 4 * psi / 8) <= rep.kept_replicated
+    assert "master weights" in str(rep)

@@ -120,8 +120,9 @@ class Report:
         mb = lambda b: f"{b / 2**20:10.3f}"
         lines = [f"zerojax stage {self.stage} on {self.devices} devices (per device, MiB)",
                  "state resident on device 0:"]
-        for cat in (PARAMS, OPT_STATE, OTHER):
-            lines.append(f"  {cat:<28}{mb(self.resident.get(cat, 0))}")
+        for cat in CATEGORIES:
+            if cat in self.resident or cat in (PARAMS, "optimizer state"):
+                lines.append(f"  {cat:<28}{mb(self.resident.get(cat, 0))}")
         lines.append(f"  {'total':<28}{mb(sum(self.resident.values()))}")
         lines.append(f"  {'of which kept replicated':<28}{mb(self.kept_replicated)}")
         lines += ["compiled step (memory_analysis):",
@@ -138,6 +139,20 @@ class Report:
         return "\n".join(lines)
 
 
+CATEGORIES = (PARAMS, "optimizer state", "master weights", "gradient buffers", OTHER)
+_OPT_FIELDS = {"master": "master weights", "accum": "gradient buffers",
+               "per_device": "gradient buffers"}
+
+
+def _category(plan) -> str:
+    """Report category of a leaf: optimizer-state leaves of a managed state are split into the
+    user's optimizer state, fp32 master weights and persistent gradient buffers."""
+    if plan.category != OPT_STATE:
+        return plan.category
+    field = plan.path.split("/")[1] if plan.path.count("/") else ""
+    return _OPT_FIELDS.get(field, "optimizer state")
+
+
 def resident_bytes(zero, state, device=None):
     """(bytes by category, bytes kept replicated) of `state`'s shards living on `device`."""
     device = device or zero.mesh.devices.flat[0]
@@ -145,7 +160,7 @@ def resident_bytes(zero, state, device=None):
     kept = 0
     for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state)):
         nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-        by_cat[plan.category] += nbytes
+        by_cat[_category(plan)] += nbytes
         sharded_here = plan.category == OPT_STATE or (plan.category == PARAMS
                                                       and zero.config.stage == 3)
         if sharded_here and zero.config.stage >= 1 and plan.reason.startswith("replicated"):
