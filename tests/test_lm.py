@@ -1,0 +1,74 @@
+"""The example LM (RMSNorm, rotary, SwiGLU; scanned or unrolled; remat): its presets, its
+scanned and unrolled forms agreeing, and training under zerojax like on one device."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax as zj
+from zerojax.models.lm import LM, LM_PRESETS, param_count
+from common import assert_params_close
+
+CFG = LM_PRESETS["tiny"].replace(vocab=203, d_model=64, n_heads=4, d_ff=176, n_layers=2,
+                                 seq_len=16)
+
+
+def test_presets_have_the_sizes_people_know():
+    assert param_count(LM_PRESETS["7b"]) == 6_738_415_616          # Llama-2-7B, exactly
+    assert 0.1e9 < param_count(LM_PRESETS["125m"]) < 0.15e9
+    assert 1.2e9 < param_count(LM_PRESETS["1.3b"]) < 1.4e9
+
+
+def test_scanned_unrolled_and_remat_compute_the_same_function():
+    tokens = jax.random.randint(jax.random.key(1), (2, CFG.seq_len), 0, CFG.vocab)
+    scanned = LM(CFG.replace(scan_layers=True))
+    params = scanned.init(jax.random.key(0), tokens)["params"]
+    unrolled_params = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(CFG.n_layers):   # layer i of the unrolled stack = slice i of the scanned one
+        unrolled_params[f"layer_{i}"] = jax.tree_util.tree_map(lambda x: x[i], params["layers"])
+    want = scanned.apply({"params": params}, tokens)
+    for cfg, p in ((CFG.replace(scan_layers=False), unrolled_params),
+                   (CFG.replace(scan_layers=True, remat=True), params),
+                   (CFG.replace(scan_layers=False, remat=True), unrolled_params)):
+        np.testing.assert_allclose(LM(cfg).apply({"params": p}, tokens), want,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _init(cfg):
+    model = LM(cfg)
+
+    def init_fn(key):
+        params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                             tx=optax.sgd(0.05, momentum=0.9))
+    return init_fn
+
+
+def _step(state, batch):
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+@pytest.mark.parametrize("stage,scan,remat", [(0, True, False), (3, True, True),
+                                              (3, False, False), (2, False, True)])
+def test_lm_trains_like_one_device(stage, scan, remat):
+    cfg = CFG.replace(scan_layers=scan, remat=remat)
+    rng = np.random.default_rng(0)
+    data = [rng.integers(0, cfg.vocab, (16, cfg.seq_len + 1), dtype=np.int32) for _ in range(4)]
+    ref = jax.device_put(_init(cfg)(jax.random.key(0)), jax.devices()[0])
+    ref_step, ref_losses = jax.jit(_step), []
+    for batch in data:
+        ref, m = ref_step(ref, batch)
+        ref_losses.append(float(m["loss"]))
+    zero = zj.zero_shard(stage=stage, persistence_threshold=0)
+    state, step, losses = zero.init(_init(cfg), jax.random.key(0)), zero(_step), []
+    for batch in data:
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert_params_close(state.params, ref.params)
