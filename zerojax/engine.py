@@ -70,6 +70,15 @@ class ZeroShard:
         abstract = jax.eval_shape(make, *args, **kwargs)
         return jax.jit(make, out_shardings=self.state_shardings(abstract))(*args, **kwargs)
 
+    def eval_shape(self, init_fn, *args, **kwargs):
+        """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
+        compile and report a step for a model too large to allocate (nothing is allocated)."""
+        make = lambda *a, **k: self.manage(init_fn(*a, **k))
+        abstract = jax.eval_shape(make, *args, **kwargs)
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+            self.state_shardings(abstract))
+
     def batch_sharding(self, leaf) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.config.axis) if np.ndim(leaf) else P())
 
@@ -83,14 +92,17 @@ class ZeroShard:
             sharding = self.batch_sharding(leaf)
             if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
                 return leaf
-            rows = np.shape(leaf)[0] * (jax.process_count() if multiprocess else 1) \
-                if np.ndim(leaf) else 0
+            abstract = isinstance(leaf, jax.ShapeDtypeStruct)   # always the global batch
+            rows = np.shape(leaf)[0] * (jax.process_count() if multiprocess and not abstract
+                                        else 1) if np.ndim(leaf) else 0
             if rows % self.axis_size:
                 raise ZeroError(
                     f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
                     f"{np.shape(leaf)}), which does not divide by the {self.axis_size} devices "
                     f"of axis {self.config.axis!r}: use a global batch that is a multiple of "
                     f"{self.axis_size}.")
+            if abstract:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
             if multiprocess and np.ndim(leaf):
                 return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
             return jax.device_put(leaf, sharding)

@@ -154,12 +154,16 @@ def _category(plan) -> str:
 
 
 def resident_bytes(zero, state, device=None):
-    """(bytes by category, bytes kept replicated) of `state`'s shards living on `device`."""
+    """(bytes by category, bytes kept replicated) of `state`'s shards living on `device` (for an
+    abstract state from `zero.eval_shape`, the shard sizes its shardings give)."""
     device = device or zero.mesh.devices.flat[0]
     by_cat = collections.Counter()
     kept = 0
     for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state)):
-        nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
+        if isinstance(leaf, jax.ShapeDtypeStruct):   # abstract state: every device holds a shard
+            nbytes = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        else:
+            nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
         by_cat[_category(plan)] += nbytes
         sharded_here = plan.category == OPT_STATE or (plan.category == PARAMS
                                                       and zero.config.stage == 3)
