@@ -26,16 +26,8 @@ def test_abstract_report_equals_the_live_one():
 
 def test_a_7b_model_is_planned_without_allocating_it():
     cfg = LM_PRESETS["7b"].replace(remat=True, seq_len=512)
-    model = LM(cfg)
-
-    def init_fn(key):
-        from flax.training import train_state
-        params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=optax.adamw(1e-4))
-
     zero = zj.zero_shard(stage=3, precision="bf16")
-    state = zero.eval_shape(init_fn, jax.random.key(0))
+    state = zero.eval_shape(make_init(LM(cfg), optax.adamw(1e-4)), jax.random.key(0))
     psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     assert psi == 6_738_415_616
     rep = zero.report(zero(train_step), state, jax.ShapeDtypeStruct((8, cfg.seq_len + 1),

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 import zerojax as zj
-from common import CFG, batches, make_init, train_step
+from common import batches, make_init, train_step
 
 
 @pytest.fixture(scope="module")

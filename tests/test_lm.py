@@ -1,13 +1,12 @@
 """The example LM (RMSNorm, rotary, SwiGLU; scanned or unrolled; remat): its presets, its
 scanned and unrolled forms agreeing, and training under zerojax like on one device."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax.training import train_state
 
 import zerojax as zj
+from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS, param_count
 from common import assert_params_close
 
@@ -36,37 +35,20 @@ def test_scanned_unrolled_and_remat_compute_the_same_function():
                                    rtol=1e-5, atol=1e-5)
 
 
-def _init(cfg):
-    model = LM(cfg)
-
-    def init_fn(key):
-        params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
-        return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                             tx=optax.sgd(0.05, momentum=0.9))
-    return init_fn
-
-
-def _step(state, batch):
-    def loss_fn(params):
-        logits = state.apply_fn({"params": params}, batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), {"loss": loss}
-
-
 @pytest.mark.parametrize("stage,scan,remat", [(0, True, False), (3, True, True),
                                               (3, False, False), (2, False, True)])
 def test_lm_trains_like_one_device(stage, scan, remat):
     cfg = CFG.replace(scan_layers=scan, remat=remat)
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab, (16, cfg.seq_len + 1), dtype=np.int32) for _ in range(4)]
-    ref = jax.device_put(_init(cfg)(jax.random.key(0)), jax.devices()[0])
-    ref_step, ref_losses = jax.jit(_step), []
+    init_fn = make_init(LM(cfg), optax.sgd(0.05, momentum=0.9))
+    ref = jax.device_put(init_fn(jax.random.key(0)), jax.devices()[0])
+    ref_step, ref_losses = jax.jit(train_step), []
     for batch in data:
         ref, m = ref_step(ref, batch)
         ref_losses.append(float(m["loss"]))
     zero = zj.zero_shard(stage=stage, persistence_threshold=0)
-    state, step, losses = zero.init(_init(cfg), jax.random.key(0)), zero(_step), []
+    state, step, losses = zero.init(init_fn, jax.random.key(0)), zero(train_step), []
     for batch in data:
         state, m = step(state, batch)
         losses.append(float(m["loss"]))

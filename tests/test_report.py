@@ -1,10 +1,8 @@
 """The compiled report: at-rest bytes per stage, collective kinds and sizes, and stage 2's
 gradient-memory saving, each asserted against its ZeRO formula (Ψ = parameter count,
 N = 8 devices, fp32 params and Adam: 4 bytes param + 4 grad + 8 optimizer per parameter)."""
-import math
 
 import jax
-import numpy as np
 import optax
 import pytest
 

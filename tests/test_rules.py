@@ -1,7 +1,6 @@
 """Sharding rules: a table of expected specs, and optimizer state following its parameter for
 any optax transformation (matched by path and shape, never by optimizer type)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -9,7 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.rules import split_spec
-from common import CFG, assert_params_close, batches, make_init, train_single_device, train_zero
+from common import assert_params_close, batches, make_init, train_single_device, train_zero
 
 D = "data"
 

@@ -19,7 +19,6 @@ import re
 import tempfile
 
 import jax
-import numpy as np
 
 from zerojax.rules import OPT_STATE, OTHER, PARAMS
 

@@ -17,7 +17,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroError
 from zerojax.hook import hooked_apply_fn, local_apply_fn

@@ -59,8 +59,9 @@ class GPT(nn.Module):
         return nn.Dense(cfg.vocab, name="head")(nn.LayerNorm()(x))
 
 
-def make_init(model: GPT, tx):
-    """`init_fn(key) -> TrainState` for `model` and the optax transformation `tx`."""
+def make_init(model, tx):
+    """`init_fn(key) -> TrainState` for `model` (a GPT or LM: any module with `cfg.seq_len`)
+    and the optax transformation `tx`."""
     from flax.training import train_state
 
     def init_fn(key):
