@@ -113,7 +113,8 @@ class ZeroShard:
         """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
         return ZeroStep(self, step_fn)
 
-    def report(self, step, state, batch, *extra):
-        """Compiled memory and communication of `step` on these inputs (see zerojax.report)."""
+    def report(self, step, state, batch, *extra, dump_to: str | None = None):
+        """Compiled memory and communication of `step` on these inputs (see zerojax.report);
+        `dump_to`, a path prefix, also writes the partitioned and optimized HLO."""
         from zerojax.report import build_report
-        return build_report(self, step, state, batch, *extra)
+        return build_report(self, step, state, batch, *extra, dump_to=dump_to)

@@ -184,11 +184,17 @@ def compile_with_partitioned_hlo(lowered):
             return compiled, f.read()
 
 
-def build_report(zero, step, state, batch, *extra) -> Report:
+def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -> Report:
     """Memory and communication of one optimizer step. With k-step gradient accumulation the
-    communication of the k-1 accumulate-only calls is added and the peak is the larger one."""
+    communication of the k-1 accumulate-only calls is added and the peak is the larger one.
+    `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
     k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
     compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra))
+    if dump_to:
+        for suffix, text in ((".partitioned.hlo.txt", hlo),
+                             (".optimized.hlo.txt", compiled.as_text())):
+            with open(dump_to + suffix, "w") as f:
+                f.write(text)
     collectives = parse_collectives(hlo, zero.axis_size)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)

@@ -1,0 +1,130 @@
+"""The `zerojax` command.
+
+    zerojax plan --preset 7b --devices 8 --device-memory 80GB
+
+`plan` compiles the example LM's train step ahead of time for N simulated devices (nothing is
+allocated; `zero.eval_shape`) and prints, per ZeRO stage, the per-device bytes at rest and at
+the compiled peak and the communication per step, all read from the compiled program.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30 (GB is decimal, GiB binary)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GB or 80GiB")
+    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+
+
+def plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="per-device memory and communication of each ZeRO stage",
+                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p.add_argument("--preset", default="tiny", help="example LM preset (tiny ... 7b)")
+    p.add_argument("--devices", type=int, default=8, help="data-parallel devices N")
+    p.add_argument("--mesh", help="mesh shape; only 1-D ('8' or '1x8') until ZeRO++ lands")
+    p.add_argument("--layers", type=int, help="override the preset's layer count")
+    p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per device per step")
+    p.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--unrolled", action="store_true", help="unrolled layers instead of nn.scan")
+    p.add_argument("--no-remat", action="store_true", help="keep activations (no remat)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--config", help="DeepSpeed-style JSON; plans its stage only")
+    group.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="plan this stage only")
+    p.add_argument("--device-memory", type=parse_bytes, help="e.g. 80GB: mark what fits")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.add_argument("--dump-hlo", metavar="DIR", help="write partitioned and optimized HLO")
+
+
+def plan(args) -> int:
+    if args.mesh and not re.fullmatch(rf"(1x)?{args.devices}", args.mesh):
+        print(f"zerojax plan: mesh {args.mesh!r} is not supported yet: hierarchical "
+              "('node', 'local') meshes arrive with ZeRO++; use --devices N.", file=sys.stderr)
+        return 2
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zerojax as zj
+    from zerojax.models.gpt import make_init, train_step
+    from zerojax.models.lm import LM, LM_PRESETS
+
+    if args.preset not in LM_PRESETS:
+        print(f"zerojax plan: unknown preset {args.preset!r}; presets: "
+              f"{', '.join(LM_PRESETS)}", file=sys.stderr)
+        return 2
+    overrides = {k: v for k, v in (("n_layers", args.layers), ("seq_len", args.seq_len)) if v}
+    cfg = LM_PRESETS[args.preset].replace(scan_layers=not args.unrolled,
+                                          remat=not args.no_remat, **overrides)
+    init_fn = make_init(LM(cfg), optax.adamw(1e-4))
+    batch = jax.ShapeDtypeStruct((args.batch_size * args.devices, cfg.seq_len + 1), jnp.int32)
+    configs = ([zj.ZeroConfig.from_json(args.config)] if args.config else
+               [zj.ZeroConfig(stage=s, precision=args.precision)
+                for s in ([args.stage] if args.stage is not None else range(4))])
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+    rows = []
+    for cfg_z in configs:
+        zero = zj.zero_shard(config=cfg_z, mesh=zj.make_mesh(jax.devices()[:args.devices]))
+        state = zero.eval_shape(init_fn, jax.random.key(0))
+        dump = (os.path.join(args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}")
+                if args.dump_hlo else None)
+        rep = zero.report(zero(train_step), state, batch, dump_to=dump)
+        rows.append({
+            "stage": cfg_z.stage, "offload": False, "precision": cfg_z.precision,
+            "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
+            "peak_bytes": rep.peak_bytes, "at_rest_bytes": sum(rep.resident.values()),
+            "at_rest_by_category": rep.resident,
+            "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
+            "cross_node_bytes": None,       # a 1-D mesh has no node boundary to count
+            "fits": None if args.device_memory is None else rep.peak_bytes <= args.device_memory,
+        })
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        _print_table(rows, args, cfg)
+    return 0
+
+
+def _print_table(rows, args, cfg) -> None:
+    gib = lambda b: f"{b / 2**30:9.2f}"
+    print(f"preset {args.preset}: {rows[0]['params']:,} parameters, {cfg.n_layers} layers "
+          f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
+          f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}")
+    print(f"{'stage':>5} {'precision':>9} {'at rest GiB':>11} {'peak GiB':>9} "
+          f"{'comm GiB/step':>13}  fits")
+    for r in rows:
+        fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
+        print(f"{r['stage']:>5} {r['precision']:>9} {gib(r['at_rest_bytes']):>11} "
+              f"{gib(r['peak_bytes'])} {gib(r['comm_bytes']):>13}  {fits}")
+    fitting = [r for r in rows if r["fits"]]
+    if args.device_memory is not None:
+        print(f"cheapest that fits {args.device_memory / 1e9:g} GB: " +
+              (f"stage {fitting[0]['stage']} (least communication among those that fit)"
+               if fitting else "none; add devices, lower the batch or sequence, or offload"))
+    print("offload rows: not planned yet (host offload is not implemented yet).")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="zerojax", description="zerojax command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan_parser(sub)
+    args = parser.parse_args(argv)
+    return plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
