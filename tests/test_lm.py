@@ -35,8 +35,9 @@ def test_scanned_unrolled_and_remat_compute_the_same_function():
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("stage,scan,remat", [(0, True, False), (3, True, True),
-                                              (3, False, False), (2, False, True)])
+@pytest.mark.parametrize("stage,scan,remat", [(0, True, False), (2, False, True),
+                                              (3, True, True), (3, True, False),
+                                              (3, False, False), (3, False, True)])
 def test_lm_trains_like_one_device(stage, scan, remat):
     cfg = CFG.replace(scan_layers=scan, remat=remat)
     rng = np.random.default_rng(0)

@@ -96,3 +96,27 @@ def test_hlo_parser_counts_each_collective_once_with_its_full_buffer():
         ("all-to-all", "s8"): (8 * 128, 2, 1 / 2 * 8 * 128),
         ("collective-permute", "f32"): (40, 2, 40),
     }
+
+
+LOOP_HLO = """
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %ag = f32[64,16]{1,0} all-gather(f32[8,16]{1,0} %x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+}
+
+%cond (p: (s32[], f32[8,16])) -> pred[] {
+  %c = s32[] constant(6)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %c), direction=LT
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %w = (s32[], f32[8,16]) while(%t), condition=%cond, body=%body
+  %ar = f32[4]{0} all-reduce(f32[4]{0} %y), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_in_a_loop_count_once_per_iteration():
+    # a scanned stack of 6 layers gathers 6 times: 6 x 64*16*4 bytes, plus one all-reduce
+    found = parse_collectives(LOOP_HLO, 8)
+    assert sorted((c.kind, c.buffer_bytes) for c in found) == \
+        [("all-gather", 64 * 16 * 4)] * 6 + [("all-reduce", 16)]

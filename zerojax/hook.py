@@ -15,7 +15,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
+from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
+from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, key_name, path_str, split_spec, variables_specs
@@ -51,13 +52,28 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
 
     def apply(variables, *args, **kwargs):
         calls.append(True)
+        flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n)))
         grads = tuple(jax.tree_util.tree_leaves(
             jax.tree_util.tree_map_with_path(grad_spec, variables)))
-        copies = device_copies(tuple(leaves), scale, store, grads, mesh, axis,
-                               (_compute_dtypes(variables, cfg), dtypes_reduce,
-                                tuple(x.dtype for x in leaves)))
+        # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
+        claimed = _claimed(apply_fn, variables, args, kwargs, flat_vars) if cfg.stage == 3 \
+            else [False] * len(leaves)
+        whole = [i for i, c in enumerate(claimed) if not c]
+        compute = _compute_dtypes(variables, cfg)
+        copies = device_copies(tuple(leaves[i] for i in whole), scale,
+                               tuple(store[i] for i in whole), tuple(grads[i] for i in whole),
+                               mesh, axis, (tuple(compute[i] for i in whole), dtypes_reduce,
+                                            tuple(leaves[i].dtype for i in whole)))
+        shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
+        gather_ctx = GatherContext(
+            axis=axis, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
+            reduce_dtype=dtypes_reduce, scale=scale,
+            split_dims={path_str(p[1:]): split_dim(sp, axis) for (p, _), sp in
+                        zip(flat_vars, store) if key_name(p[0]) == PARAMS},
+            stored_ndim={path_str(p[1:]): np.ndim(x) for p, x in flat_vars
+                         if key_name(p[0]) == PARAMS})
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
@@ -69,20 +85,52 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
                 f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
                 "arrays with the batch first, or use zero_shard(..., explicit_collectives=False).")
 
-        def body(copies, values):
+        def body(copies, shards, values):
             local = list(flat)
             for i, v in zip(dynamic, values):
                 local[i] = v
             a, k = jax.tree_util.tree_unflatten(in_tree, local)
-            variables_local = jax.tree_util.tree_unflatten(var_tree, [c[0] for c in copies])
-            out = apply_fn(variables_local, *a, **k)
+            copies, shards = iter(copies), iter(shards)
+            variables_local = jax.tree_util.tree_unflatten(
+                var_tree, [next(shards) if c else next(copies)[0] for c in claimed])
+            if cfg.stage == 3:
+                with gather_context(gather_ctx):
+                    out = apply_fn(variables_local, *a, **k)
+            else:
+                out = apply_fn(variables_local, *a, **k)
             _check_outputs(out, {r // n for r in batch_rows})
             return out
 
-        out = jax.shard_map(body, mesh=mesh, in_specs=(tuple(P(axis) for _ in leaves), in_specs),
-                            out_specs=P(axis))(copies, tuple(flat[i] for i in dynamic))
+        shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
+        out = jax.shard_map(body, mesh=mesh,
+                            in_specs=(tuple(P(axis) for _ in whole), shard_specs, in_specs),
+                            out_specs=P(axis))(copies, shards, tuple(flat[i] for i in dynamic))
         return out if scale is None else scale_cotangent(out, scale)
     return apply
+
+
+def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
+    """Per variable leaf: is it a parameter of a `gather_on_use` module? (An abstract trace
+    of the model records which modules gather.)"""
+    ctx = GatherContext(axis="", split_dims={}, stored_ndim={}, compute_dtype=None,
+                        reduce_dtype=None, discover=True)
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(flat) if _is_array(x)]
+
+    def run(v, values):
+        local = list(flat)
+        for i, x in zip(arrays, values):
+            local[i] = x
+        a, k = jax.tree_util.tree_unflatten(tree, local)
+        return apply_fn(v, *a, **k)
+
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    with gather_context(ctx):
+        jax.eval_shape(run, jax.tree_util.tree_map(shape, variables),
+                       [shape(flat[i]) for i in arrays])
+    prefixes = tuple(c + "/" for c in ctx.claimed)
+    return [key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes)
+            for p, _ in flat_vars]
 
 
 def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):

@@ -66,22 +66,68 @@ def _group_size(attrs: str, default: int) -> int:
     return 2 if m else default
 
 
+def _collectives_in(line: str, num_devices: int) -> list[Collective]:
+    m = _OP.search(line)
+    if not m:
+        return []
+    kind, group = m.group("op"), _group_size(m.group("attrs"), num_devices)
+    results = _arrays_bytes(m.group("result"))
+    if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
+        results = results[len(results) // 2:]
+    # Read from the results: a reduce-scatter's full buffer is g times its result.
+    arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
+    return [Collective(kind, dtype, nbytes, group) for dtype, nbytes in arrays]
+
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_CALLS = re.compile(r"(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _trip_count(line: str, condition: list[str]) -> int:
+    """Iterations of a while loop: XLA's known_trip_count, else the bound of the `i < N`
+    compare in a JAX-style (scan / fori_loop) condition, else 1."""
+    m = _TRIP.search(line)
+    if m:
+        return int(m.group(1))
+    consts = [int(c) for text in condition for c in re.findall(r"s32\[\] constant\((\d+)\)", text)]
+    lt = any("direction=LT" in text for text in condition)
+    return consts[0] if lt and len(consts) == 1 else 1
+
+
 def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
-    """Every collective in an HLO module's text (async `-start` halves counted once)."""
-    found = []
+    """Every collective an HLO module executes, as often as it executes: collectives inside a
+    while loop (a scanned layer stack) count once per iteration. Async `-start` halves count
+    once, `-done` halves not at all."""
+    computations, entry, name = {}, None, None
     for line in hlo_text.splitlines():
-        m = _OP.search(line)
-        if not m:
-            continue
-        kind, group = m.group("op"), _group_size(m.group("attrs"), num_devices)
-        results = _arrays_bytes(m.group("result"))
-        if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
-            results = results[len(results) // 2:]
-        # Read from the results: a reduce-scatter's full buffer is g times its result.
-        arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
-        for dtype, nbytes in arrays:
-            found.append(Collective(kind, dtype, nbytes, group))
-    return found
+        m = _COMPUTATION.match(line)
+        if m and not line[:1].isspace():         # headers start in column 0, instructions not
+            name = m.group(2)
+            computations[name] = []
+            entry = name if m.group(1) else entry
+        elif name is not None:
+            computations[name].append(line)
+
+    def walk(comp: str, seen: tuple) -> list[Collective]:
+        found = []
+        for line in computations.get(comp, []):
+            found += _collectives_in(line, num_devices)
+            loop = _WHILE.search(line)
+            if loop and loop.group(2) not in seen:
+                trips = _trip_count(line, computations.get(loop.group(1), []))
+                found += walk(loop.group(2), seen + (comp,)) * trips
+                continue
+            for m in _CALLS.finditer(line):
+                for callee in re.split(r",\s*%?", m.group(1)):
+                    if callee in computations and callee not in seen:
+                        found += walk(callee, seen + (comp,))
+        return found
+
+    if entry is None:   # a bare list of instructions (no computations)
+        return [c for line in hlo_text.splitlines() for c in _collectives_in(line, num_devices)]
+    return walk(entry, ())
 
 
 @dataclasses.dataclass

@@ -11,6 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zerojax.flax.gather import gather_on_use
+
 
 @dataclasses.dataclass(frozen=True)
 class LMConfig:
@@ -101,7 +103,9 @@ class LM(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
                          name="embed")
         x = embed(tokens)
-        block = nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat else Block
+        # gather_on_use: under zerojax stage 3 each layer gathers its weights only while it runs
+        block = gather_on_use(nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat
+                              else Block)
         if cfg.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.n_layers)

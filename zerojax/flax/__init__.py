@@ -1,0 +1,4 @@
+"""Flax integration: module transforms zerojax understands."""
+from zerojax.flax.gather import gather_on_use
+
+__all__ = ["gather_on_use"]

@@ -1,0 +1,130 @@
+"""`gather_on_use(Block)`: stage 3 gathers a module's parameters only while it runs.
+
+Outside a zerojax stage-3 step the transformed module is the module itself. Inside one, it
+receives its parameters as this device's shards and runs through `layer_call`, a custom VJP:
+forward all-gathers the weights, runs the layer and keeps only the shards and the layer input;
+backward all-gathers the weights again, recomputes the layer, reduce-scatters the weight
+gradient at once and drops the gathered copy. Each gather is made to depend on the layer's
+input (forward) or cotangent (backward), so XLA cannot issue them all up front, and the
+backward gather cannot be merged with the forward one.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_CONTEXT = contextvars.ContextVar("zerojax_gather_context", default=None)
+
+
+@dataclasses.dataclass
+class GatherContext:
+    """What a gathering module needs inside a stage-3 step's per-device body."""
+    axis: str
+    split_dims: dict          # parameter path ('layers/Attention_0/query/kernel') -> dim or None
+    stored_ndim: dict         # the same paths -> ndim of the stored leaf (stacked when scanned)
+    compute_dtype: object     # None keeps the stored dtype
+    reduce_dtype: object
+    scale: object = None      # fp16 loss scale (the cotangent arrives multiplied by it)
+    discover: bool = False    # only record which modules gather
+    claimed: set = dataclasses.field(default_factory=set)
+
+
+@contextlib.contextmanager
+def gather_context(ctx: GatherContext):
+    token = _CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CONTEXT.reset(token)
+
+
+def gather_on_use(module_cls):
+    """A subclass of the Flax module class `module_cls` whose parameters stage 3 gathers only
+    while an instance runs (forward, then again in backward)."""
+    class Gathered(module_cls):
+        def __call__(self, *args, **kwargs):
+            ctx = _CONTEXT.get()
+            if ctx is None or self.is_initializing():
+                return super().__call__(*args, **kwargs)
+            prefix = "/".join(self.path)
+            if ctx.discover:
+                ctx.claimed.add(prefix)
+                return super().__call__(*args, **kwargs)
+            shards = self.variables["params"]
+            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(module_cls)
+                      if f.name not in ("parent", "name")}
+            plain = module_cls(**fields, parent=None)   # unbound: applied functionally
+            apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
+            dims = jax.tree_util.tree_map_with_path(
+                lambda p, x: _layer_dim(ctx, prefix, p, x), shards)
+            return layer_call(apply, dims, ctx, shards, args, kwargs)
+    Gathered.__name__ = Gathered.__qualname__ = module_cls.__name__
+    return Gathered
+
+
+def _layer_dim(ctx, prefix, path, leaf):
+    """The dim this per-layer leaf is split on (a scanned leaf's stored dim minus one)."""
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    full = f"{prefix}/{name}" if prefix else name
+    dim = ctx.split_dims.get(full)
+    if dim is None:
+        return -1
+    dim -= ctx.stored_ndim[full] - leaf.ndim
+    if dim < 0:
+        raise ValueError(f"zerojax: {full} is split along its layer axis, so a scanned layer "
+                         "cannot gather it alone; split another dimension (rules=...).")
+    return dim
+
+
+def _depend(tree, anchor):
+    """`tree` plus zero times a scalar taken from `anchor`: a data dependency XLA keeps."""
+    leaves = [x for x in jax.tree_util.tree_leaves(anchor)
+              if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    if not leaves:
+        return tree
+    zero = leaves[0].reshape(-1)[0].astype(jnp.float32) * 0
+    return jax.tree_util.tree_map(
+        lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _gather(shards, dims, ctx):
+    def one(x, dim):
+        if ctx.compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(ctx.compute_dtype)
+        return x if dim < 0 else jax.lax.all_gather(x, ctx.axis, axis=dim, tiled=True)
+    return jax.tree_util.tree_map(one, shards, dims)
+
+
+def _scatter(grads, dims, shards, ctx):
+    def one(g, dim, x):
+        g = g.astype(ctx.reduce_dtype)
+        g = (jax.lax.psum(g, ctx.axis) if dim < 0 else
+             jax.lax.psum_scatter(g, ctx.axis, scatter_dimension=dim, tiled=True))
+        if ctx.scale is not None:
+            g = g.astype(jnp.float32) / ctx.scale
+        return g.astype(x.dtype)
+    return jax.tree_util.tree_map(one, grads, dims, shards)
+
+
+def layer_call(apply, dims, ctx, shards, args, kwargs):
+    """`apply(gathered params, args, kwargs)` with the memory behaviour of the module docstring."""
+    @jax.custom_vjp
+    def run(shards, args):
+        return apply(_gather(_depend(shards, args), dims, ctx), args, kwargs)
+
+    def fwd(shards, args):
+        return run(shards, args), (shards, args)
+
+    def bwd(res, ct):
+        shards, args = res
+        params = _gather(_depend(shards, ct), dims, ctx)
+        _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
+        dparams, dargs = vjp(ct)
+        return _scatter(dparams, dims, shards, ctx), dargs
+
+    run.defvjp(fwd, bwd)
+    return run(shards, args)
