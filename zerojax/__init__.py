@@ -1,4 +1,8 @@
 """zerojax: DeepSpeed's ZeRO stages as sharding rules over a JAX device mesh."""
+from zerojax import xla_flags as _xla_flags
+
+_xla_flags.apply_defaults()   # before anything starts JAX's backend
+
 from zerojax.config import ZeroError, ZeroConfig
 from zerojax.engine import ZeroShard, zero_shard
 from zerojax.step import ZeroStep

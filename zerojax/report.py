@@ -20,6 +20,7 @@ import tempfile
 
 import jax
 
+from zerojax import xla_flags
 from zerojax.rules import OPT_STATE, OTHER, PARAMS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -142,6 +143,7 @@ class Report:
     alias_bytes: int
     temp_bytes: int
     collectives: list
+    xla_flags: dict = dataclasses.field(default_factory=dict)   # zerojax's defaults in force
 
     @property
     def peak_bytes(self) -> int:
@@ -181,6 +183,8 @@ class Report:
             lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}")
         if not self.collectives:
             lines.append("  (none)")
+        for name, value in self.xla_flags.items():
+            lines.append(f"XLA flag {name}: {value}")
         return "\n".join(lines)
 
 
@@ -254,4 +258,4 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
                   kept_replicated=kept, argument_bytes=int(mem.argument_size_in_bytes),
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=temp,
-                  collectives=collectives)
+                  collectives=collectives, xla_flags=xla_flags.effective())

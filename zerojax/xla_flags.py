@@ -1,0 +1,48 @@
+"""XLA flags zerojax sets by default, before JAX starts its backend.
+
+On GPU, XLA's latency-hiding scheduler lets a layer's gradient reduce-scatter (and, with
+prefetch, the next layer's all-gather) run while other layers compute. The flag is harmless on
+CPU and TPU. A value you already put in XLA_FLAGS wins; ZEROJAX_DEFAULT_XLA_FLAGS=0 turns the
+defaults off. `effective()` says what is in force, and every report records it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+DEFAULTS = {"xla_gpu_enable_latency_hiding_scheduler": "true"}
+_STATUS = {}
+
+
+def _user_flags() -> dict:
+    flags = {}
+    for item in os.environ.get("XLA_FLAGS", "").split():
+        name, _, value = item.lstrip("-").partition("=")
+        flags[name] = value
+    return flags
+
+
+def apply_defaults() -> None:
+    """Add DEFAULTS to XLA_FLAGS unless set already, opted out, or too late (backend started)."""
+    if os.environ.get("ZEROJAX_DEFAULT_XLA_FLAGS", "1") == "0":
+        _STATUS.update({k: "off (ZEROJAX_DEFAULT_XLA_FLAGS=0)" for k in DEFAULTS})
+        return
+    started = "jax" in sys.modules and bool(getattr(
+        sys.modules.get("jax._src.xla_bridge"), "_backends", None))
+    user = _user_flags()
+    added = []
+    for name, value in DEFAULTS.items():
+        if name in user:
+            _STATUS[name] = f"{user[name]} (set by you)"
+        elif started:
+            _STATUS[name] = "not set (JAX's backend started before zerojax was imported)"
+        else:
+            added.append(f"--{name}={value}")
+            _STATUS[name] = f"{value} (zerojax default)"
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *added]).strip()
+
+
+def effective() -> dict:
+    """{flag: value and where it came from} for zerojax's default flags."""
+    return dict(_STATUS)
