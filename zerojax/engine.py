@@ -66,9 +66,10 @@ class ZeroShard:
     def init(self, init_fn, *args, **kwargs):
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        make = lambda *a, **k: self.manage(init_fn(*a, **k))
-        abstract = jax.eval_shape(make, *args, **kwargs)
-        return jax.jit(make, out_shardings=self.state_shardings(abstract))(*args, **kwargs)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding,
+                                           self.eval_shape(init_fn, *args, **kwargs))
+        return jax.jit(lambda *a, **k: self.manage(init_fn(*a, **k)),
+                       out_shardings=shardings)(*args, **kwargs)
 
     def eval_shape(self, init_fn, *args, **kwargs):
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,

@@ -30,6 +30,15 @@ def _is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
+def _with_values(flat: list, positions: list, values, tree):
+    """(args, kwargs) from flattened call arguments with the array leaves at `positions`
+    replaced by `values` (traced per-device or abstract stand-ins)."""
+    local = list(flat)
+    for i, v in zip(positions, values):
+        local[i] = v
+    return jax.tree_util.tree_unflatten(tree, local)
+
+
 def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
     """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
     dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
@@ -86,10 +95,7 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
                 "arrays with the batch first, or use zero_shard(..., explicit_collectives=False).")
 
         def body(copies, shards, values):
-            local = list(flat)
-            for i, v in zip(dynamic, values):
-                local[i] = v
-            a, k = jax.tree_util.tree_unflatten(in_tree, local)
+            a, k = _with_values(flat, dynamic, values, in_tree)
             copies, shards = iter(copies), iter(shards)
             variables_local = jax.tree_util.tree_unflatten(
                 var_tree, [next(shards) if c else next(copies)[0] for c in claimed])
@@ -118,10 +124,7 @@ def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]
 
     def run(v, values):
-        local = list(flat)
-        for i, x in zip(arrays, values):
-            local[i] = x
-        a, k = jax.tree_util.tree_unflatten(tree, local)
+        a, k = _with_values(flat, arrays, values, tree)
         return apply_fn(v, *a, **k)
 
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)

@@ -23,7 +23,7 @@ from zerojax.config import ZeroError
 from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, capture_gradients,
                            cast_floating, update_metrics)
-from zerojax.comm.gather import split_dim
+from zerojax.comm.gather import reduce_gradient, split_dim
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
 
 
@@ -166,7 +166,9 @@ class ZeroStep:
             reduced = ()
             if not micro:    # one reduction per optimizer step; the mean over devices, as DDP
                 reduced = jax.tree_util.tree_map(
-                    lambda s, spec: _reduce(s[0], spec, axis, DTYPES[cfg.grad_reduce_dtype]) / n,
+                    lambda s, spec: reduce_gradient(s[0], split_dim(spec, axis), axis,
+                                                    DTYPES[cfg.grad_reduce_dtype])
+                    .astype(jnp.float32) / n,
                     sums, param_grad_specs)
                 sums = jax.tree_util.tree_map(jnp.zeros_like, sums)
             new_state = _sync_other_fields(new_state.replace(
@@ -193,14 +195,6 @@ class ZeroStep:
             warnings.warn(f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
                           "partitioner places the collectives (on CPU, stage 2 then all-reduces "
                           "the gradients instead of reduce-scattering them).", stacklevel=3)
-
-
-def _reduce(x, spec, axis, dtype):
-    dim = split_dim(spec, axis)
-    x = x.astype(dtype)
-    x = jax.lax.psum(x, axis) if dim is None else jax.lax.psum_scatter(
-        x, axis, scatter_dimension=dim, tiled=True)
-    return x.astype(jnp.float32)
 
 
 def _from_device_0(tree, axis):

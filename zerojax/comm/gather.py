@@ -29,12 +29,24 @@ def split_dim(spec: P, axis: str):
     return None
 
 
-def _to_compute(x, compute_dtype):
+def to_compute(x, compute_dtype):
+    """A floating leaf cast to `compute_dtype` (None keeps it), before it is gathered."""
     floating = jnp.issubdtype(x.dtype, jnp.floating)
     return x.astype(compute_dtype) if floating and compute_dtype is not None else x
 
 
-def _unscale(ct, scale, dtype):
+def reduce_gradient(g, dim, axis: str, reduce_dtype):
+    """One device's gradient summed over `axis` in `reduce_dtype` (None keeps it): a
+    reduce-scatter along `dim`, or an all-reduce when `dim` is None. The one place where
+    zerojax reduces gradients (model hook, per-layer gather, local accumulation)."""
+    if reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
+        g = g.astype(reduce_dtype)
+    if dim is None:
+        return jax.lax.psum(g, axis)
+    return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+
+
+def unscale(ct, scale, dtype):
     """Gradient back in the leaf's dtype, divided by the loss scale in fp32 (if scaled)."""
     if scale is None:
         return ct.astype(dtype)
@@ -50,7 +62,7 @@ def device_copies(leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, m
     def gather(*xs):
         out = []
         for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0]):
-            x, dim = _to_compute(x, compute_dtype), split_dim(spec, axis)
+            x, dim = to_compute(x, compute_dtype), split_dim(spec, axis)
             full = x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True)
             out.append(full[None])
         return tuple(out)
@@ -68,15 +80,11 @@ def _copies_bwd(store_specs, grad_specs, mesh, axis, dtypes, scale, cotangents):
     def reduce(*cts):
         out = []
         for ct, spec in zip(cts, grad_specs):
-            ct, dim = ct[0], split_dim(spec, axis)
-            if reduce_dtype is not None and jnp.issubdtype(ct.dtype, jnp.floating):
-                ct = ct.astype(reduce_dtype)
-            out.append(jax.lax.psum(ct, axis) if dim is None else
-                       jax.lax.psum_scatter(ct, axis, scatter_dimension=dim, tiled=True))
+            out.append(reduce_gradient(ct[0], split_dim(spec, axis), axis, reduce_dtype))
         return tuple(out)
     grads = jax.shard_map(reduce, mesh=mesh, in_specs=tuple(P(axis) for _ in cotangents),
                           out_specs=grad_specs)(*cotangents)
-    grads = tuple(_unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes))
+    grads = tuple(unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes))
     return grads, None if scale is None else jnp.zeros_like(scale)
 
 
@@ -87,7 +95,7 @@ device_copies.defvjp(_copies_fwd, _copies_bwd)
 def compute_copies(leaves: tuple, scale, dtypes: tuple):
     """Leaves cast to their compute dtypes; backward divides by the loss scale in fp32.
     `dtypes` = (per-leaf compute dtypes, per-leaf dtypes of `leaves`)."""
-    return tuple(_to_compute(x, dt) for x, dt in zip(leaves, dtypes[0]))
+    return tuple(to_compute(x, dt) for x, dt in zip(leaves, dtypes[0]))
 
 
 def _compute_fwd(leaves, scale, dtypes):
@@ -96,7 +104,7 @@ def _compute_fwd(leaves, scale, dtypes):
 
 def _compute_bwd(dtypes, scale, cotangents):
     primal_dtypes = dtypes[1]
-    grads = tuple(_unscale(g, scale, dt) for g, dt in zip(cotangents, primal_dtypes))
+    grads = tuple(unscale(g, scale, dt) for g, dt in zip(cotangents, primal_dtypes))
     return grads, None if scale is None else jnp.zeros_like(scale)
 
 

@@ -17,6 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from zerojax.comm.gather import reduce_gradient, to_compute, unscale
+
 _CONTEXT = contextvars.ContextVar("zerojax_gather_context", default=None)
 
 
@@ -93,21 +95,16 @@ def _depend(tree, anchor):
 
 def _gather(shards, dims, ctx):
     def one(x, dim):
-        if ctx.compute_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(ctx.compute_dtype)
+        x = to_compute(x, ctx.compute_dtype)
         return x if dim < 0 else jax.lax.all_gather(x, ctx.axis, axis=dim, tiled=True)
     return jax.tree_util.tree_map(one, shards, dims)
 
 
 def _scatter(grads, dims, shards, ctx):
-    def one(g, dim, x):
-        g = g.astype(ctx.reduce_dtype)
-        g = (jax.lax.psum(g, ctx.axis) if dim < 0 else
-             jax.lax.psum_scatter(g, ctx.axis, scatter_dimension=dim, tiled=True))
-        if ctx.scale is not None:
-            g = g.astype(jnp.float32) / ctx.scale
-        return g.astype(x.dtype)
-    return jax.tree_util.tree_map(one, grads, dims, shards)
+    return jax.tree_util.tree_map(
+        lambda g, dim, x: unscale(reduce_gradient(g, None if dim < 0 else dim, ctx.axis,
+                                                  ctx.reduce_dtype), ctx.scale, x.dtype),
+        grads, dims, shards)
 
 
 def layer_call(apply, dims, ctx, shards, args, kwargs):
