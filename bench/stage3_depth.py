@@ -1,5 +1,6 @@
 """Does stage 3's compiled peak grow with depth? Peak (arguments + temporaries) per device at
-L = 4 and L = 8 layers, for stage 0, zerojax stage 3 (gather_on_use layers) and a plain
+L = 4 and L = 8 layers, for stage 0, zerojax stage 3 (gather_on_use layers; prefetch 1, the
+default, and prefetch 0) and a plain
 `jax.jit` FSDP baseline (parameters sharded, XLA inserts the gathers: explicit_collectives
 off), scanned and unrolled, with activations negligible (one 8-token sequence per device).
 
@@ -25,6 +26,7 @@ from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 BASE = LM_PRESETS["tiny"].replace(d_model=256, n_heads=8, d_ff=704, seq_len=8)
 CONTENDERS = {"stage 0": dict(stage=0), "stage 3": dict(stage=3),
+              "stage 3 prefetch 0": dict(stage=3, prefetch=0),
               "jit FSDP": dict(stage=3, explicit_collectives=False)}
 
 
@@ -46,7 +48,8 @@ def main():
     mib = lambda b: f"{b / 2**20:8.2f}"
     results = {}
     print("peak MiB per device (fp32 + Adam, N = 8, d_model 256); slope = MiB per added layer")
-    print(f"{'layers':>9} {'contender':>9} {'L=4':>8} {'L=8':>8} {'slope':>8} {'slope/stage0':>12}")
+    print(f"{'layers':>9} {'contender':>18} {'L=4':>8} {'L=8':>8} {'slope':>8} "
+          f"{'slope/stage0':>12}")
     for scan in (True, False):
         p = peaks(scan)
         slope0 = (p[("stage 0", 8)] - p[("stage 0", 4)]) / 4
@@ -55,7 +58,7 @@ def main():
             kind = "scanned" if scan else "unrolled"
             results[f"{kind}/{name}"] = {"peak_L4": p[(name, 4)], "peak_L8": p[(name, 8)],
                                          "slope": slope, "slope_ratio": slope / slope0}
-            print(f"{kind:>9} {name:>9} {mib(p[(name, 4)])} {mib(p[(name, 8)])} {mib(slope)} "
+            print(f"{kind:>9} {name:>18} {mib(p[(name, 4)])} {mib(p[(name, 8)])} {mib(slope)} "
                   f"{slope / slope0:12.3f}")
     out = pathlib.Path(__file__).parent / "results" / "stage3_depth.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,10 +35,10 @@ def test_scanned_unrolled_and_remat_compute_the_same_function():
                                    rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("stage,scan,remat", [(0, True, False), (2, False, True),
-                                              (3, True, True), (3, True, False),
-                                              (3, False, False), (3, False, True)])
-def test_lm_trains_like_one_device(stage, scan, remat):
+@pytest.mark.parametrize("stage,scan,remat,prefetch", [
+    (0, True, False, 1), (2, False, True, 1), (3, True, True, 1), (3, True, False, 1),
+    (3, False, False, 1), (3, False, True, 1), (3, False, False, 0)])
+def test_lm_trains_like_one_device(stage, scan, remat, prefetch):
     cfg = CFG.replace(scan_layers=scan, remat=remat)
     rng = np.random.default_rng(0)
     data = [rng.integers(0, cfg.vocab, (16, cfg.seq_len + 1), dtype=np.int32) for _ in range(4)]
@@ -48,7 +48,7 @@ def test_lm_trains_like_one_device(stage, scan, remat):
     for batch in data:
         ref, m = ref_step(ref, batch)
         ref_losses.append(float(m["loss"]))
-    zero = zj.zero_shard(stage=stage, persistence_threshold=0)
+    zero = zj.zero_shard(stage=stage, persistence_threshold=0, prefetch=prefetch)
     state, step, losses = zero.init(init_fn, jax.random.key(0)), zero(train_step), []
     for batch in data:
         state, m = step(state, batch)

@@ -21,6 +21,18 @@ def test_stage_3_peak_does_not_grow_with_depth(scan):
     assert slope("stage 3") < slope("jit FSDP")
     if not scan:   # unrolled: below the jit FSDP baseline outright
         assert p[("stage 3", 8)] < p[("jit FSDP", 8)]
+        # prefetch 1 (default) keeps the next layer's gathered weights alive early, prefetch 0
+        # does not: the peaks differ by at least one layer's fp32 weights and (with the next
+        # layer's gradient in backward) by at most two
+        layer = 4 * _layer_params()
+        assert layer <= p[("stage 3", 4)] - p[("stage 3 prefetch 0", 4)] <= 2 * layer
+        assert slope("stage 3 prefetch 0") <= 0.25 * slope("stage 0")
+
+
+def _layer_params() -> int:
+    from stage3_depth import BASE
+    d, f = BASE.d_model, BASE.d_ff
+    return 4 * d * d + 3 * d * f      # q, k, v, o projections + SwiGLU's three matrices
 
 
 def test_stage_3_gathers_each_layer_twice_and_reduce_scatters_once():

@@ -45,6 +45,14 @@ class ZeroConfig:
     (negative counts from the end) or None to keep the leaf replicated. Optimizer-state leaves
     of the same path and shape follow their parameter's rule."""
 
+    prefetch: int = 1
+    """Stage 3, layers wrapped with `zj.flax.gather_on_use`: how many layers ahead a layer's
+    all-gather may be issued (0 or 1). 1 lets the next layer's gather run while this layer
+    computes, at the cost of one more layer of gathered weights alive (DeepSpeed prefetches by
+    bucket size; one layer is the unit here). 0 gathers each layer only once its input exists.
+    Unrolled stacks get this from a data dependency on the previous layer's input; scanned
+    stacks (one traced body) from XLA's collective pipeliner on GPU (set by zerojax.xla_flags)."""
+
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around
     `state.apply_fn` (a real reduce-scatter for stages 2-3 on every backend). False leaves every
@@ -104,6 +112,9 @@ class ZeroConfig:
                               "stage 3 shards parameters, gradients and optimizer state.")
         if not isinstance(self.axis, str) or not self.axis:
             raise ZeroError(f"axis must be a mesh axis name such as 'data' (got {self.axis!r}).")
+        if self.prefetch not in (0, 1):
+            raise ZeroError(f"prefetch must be 0 or 1 layers ahead (got {self.prefetch!r}): "
+                            "more layers ahead only keeps more gathered weights alive.")
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
             raise ZeroError("persistence_threshold must be a number of elements >= 0 "
                               f"(got {self.persistence_threshold!r}).")

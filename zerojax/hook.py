@@ -78,7 +78,7 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
         shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
         gather_ctx = GatherContext(
             axis=axis, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
-            reduce_dtype=dtypes_reduce, scale=scale,
+            reduce_dtype=dtypes_reduce, scale=scale, prefetch=cfg.prefetch,
             split_dims={path_str(p[1:]): split_dim(sp, axis) for (p, _), sp in
                         zip(flat_vars, store) if key_name(p[0]) == PARAMS},
             stored_ndim={path_str(p[1:]): np.ndim(x) for p, x in flat_vars

@@ -1,7 +1,8 @@
 """XLA flags zerojax sets by default, before JAX starts its backend.
 
 On GPU, XLA's latency-hiding scheduler lets a layer's gradient reduce-scatter (and, with
-prefetch, the next layer's all-gather) run while other layers compute. The flag is harmless on
+prefetch, the next layer's all-gather) run while other layers compute; the collective
+pipeliner does the same across the iterations of a scanned layer stack. The flag is harmless on
 CPU and TPU. A value you already put in XLA_FLAGS wins; ZEROJAX_DEFAULT_XLA_FLAGS=0 turns the
 defaults off. `effective()` says what is in force, and every report records it.
 """
@@ -10,7 +11,13 @@ from __future__ import annotations
 import os
 import sys
 
-DEFAULTS = {"xla_gpu_enable_latency_hiding_scheduler": "true"}
+DEFAULTS = {
+    "xla_gpu_enable_latency_hiding_scheduler": "true",
+    # scanned stage-3 layers: move the next iteration's weight gather (and this iteration's
+    # gradient reduce-scatter) across the loop boundary, i.e. prefetch one layer
+    "xla_gpu_enable_pipelined_all_gather": "true",
+    "xla_gpu_enable_pipelined_reduce_scatter": "true",
+}
 _STATUS = {}
 
 

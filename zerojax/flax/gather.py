@@ -6,7 +6,10 @@ forward all-gathers the weights, runs the layer and keeps only the shards and th
 backward all-gathers the weights again, recomputes the layer, reduce-scatters the weight
 gradient at once and drops the gathered copy. Each gather is made to depend on the layer's
 input (forward) or cotangent (backward), so XLA cannot issue them all up front, and the
-backward gather cannot be merged with the forward one.
+backward gather cannot be merged with the forward one. With `prefetch=1` an unrolled layer's
+gather depends instead on the previous gathered layer's input (cotangent in backward), so it
+can run while that layer computes; a scanned layer has no such anchor inside its loop body, and
+XLA's collective pipeliner (GPU) may move the next iteration's gather into the current one.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax.core.tracers import current_trace
 
 from zerojax.comm.gather import reduce_gradient, to_compute, unscale
 
@@ -31,8 +35,10 @@ class GatherContext:
     compute_dtype: object     # None keeps the stored dtype
     reduce_dtype: object
     scale: object = None      # fp16 loss scale (the cotangent arrives multiplied by it)
+    prefetch: int = 0         # layers ahead a gather may be issued (0 or 1)
     discover: bool = False    # only record which modules gather
     claimed: set = dataclasses.field(default_factory=set)
+    anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
 
 
 @contextlib.contextmanager
@@ -63,15 +69,21 @@ def gather_on_use(module_cls):
             apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
             dims = jax.tree_util.tree_map_with_path(
                 lambda p, x: _layer_dim(ctx, prefix, p, x), shards)
-            return layer_call(apply, dims, ctx, shards, args, kwargs)
+            scanned = any(ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
+                          for p, x in jax.tree_util.tree_flatten_with_path(shards)[0])
+            return layer_call(apply, dims, ctx, shards, args, kwargs, scanned)
     Gathered.__name__ = Gathered.__qualname__ = module_cls.__name__
     return Gathered
 
 
+def _full_path(prefix, path) -> str:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    return f"{prefix}/{name}" if prefix else name
+
+
 def _layer_dim(ctx, prefix, path, leaf):
     """The dim this per-layer leaf is split on (a scanned leaf's stored dim minus one)."""
-    name = "/".join(str(getattr(k, "key", k)) for k in path)
-    full = f"{prefix}/{name}" if prefix else name
+    full = _full_path(prefix, path)
     dim = ctx.split_dims.get(full)
     if dim is None:
         return -1
@@ -82,15 +94,34 @@ def _layer_dim(ctx, prefix, path, leaf):
     return dim
 
 
-def _depend(tree, anchor):
-    """`tree` plus zero times a scalar taken from `anchor`: a data dependency XLA keeps."""
+def _scalar(anchor):
+    """A float32 scalar read from `anchor` (a pytree), or None when it holds no floats."""
     leaves = [x for x in jax.tree_util.tree_leaves(anchor)
               if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    if not leaves:
+    return leaves[0].reshape(-1)[0].astype(jnp.float32) if leaves else None
+
+
+def _depend(tree, scalar):
+    """`tree` plus zero times `scalar`: a data dependency XLA keeps (none when None)."""
+    if scalar is None:
         return tree
-    zero = leaves[0].reshape(-1)[0].astype(jnp.float32) * 0
+    zero = scalar * 0
     return jax.tree_util.tree_map(
         lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _anchor(ctx, direction: str, own, scanned: bool):
+    """What a layer's gather waits for (see the module docstring): its own input, the previous
+    gathered layer's input in the same trace (prefetch=1, unrolled), or nothing (prefetch=1,
+    scanned). Records `own` as the anchor for the next layer in `direction`."""
+    if ctx.prefetch == 0:
+        return own
+    if scanned:
+        return None
+    trace = current_trace()
+    previous = ctx.anchors.get(direction)
+    ctx.anchors[direction] = (trace, own)
+    return previous[1] if previous is not None and previous[0] == trace else own
 
 
 def _gather(shards, dims, ctx):
@@ -107,21 +138,22 @@ def _scatter(grads, dims, shards, ctx):
         grads, dims, shards)
 
 
-def layer_call(apply, dims, ctx, shards, args, kwargs):
+def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
     """`apply(gathered params, args, kwargs)` with the memory behaviour of the module docstring."""
     @jax.custom_vjp
-    def run(shards, args):
-        return apply(_gather(_depend(shards, args), dims, ctx), args, kwargs)
+    def run(shards, args, anchor):
+        return apply(_gather(_depend(shards, anchor), dims, ctx), args, kwargs)
 
-    def fwd(shards, args):
-        return run(shards, args), (shards, args)
+    def fwd(shards, args, anchor):
+        return run(shards, args, anchor), (shards, args, anchor)
 
     def bwd(res, ct):
-        shards, args = res
-        params = _gather(_depend(shards, ct), dims, ctx)
+        shards, args, anchor = res
+        params = _gather(_depend(shards, _scalar(_anchor(ctx, "bwd", ct, scanned))), dims, ctx)
         _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
         dparams, dargs = vjp(ct)
-        return _scatter(dparams, dims, shards, ctx), dargs
+        return (_scatter(dparams, dims, shards, ctx), dargs,
+                None if anchor is None else jnp.zeros_like(anchor))
 
     run.defvjp(fwd, bwd)
-    return run(shards, args)
+    return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)))
