@@ -18,7 +18,9 @@ def test_plan_json_rows(tmp_path):
                 "--dump-hlo", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)
-    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert [(r["stage"], r["offload"]) for r in rows] == [
+        (0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"),
+        (3, "optimizer"), (3, "optimizer+param")]
     for r in rows:
         assert {"stage", "offload", "peak_bytes", "at_rest_bytes", "comm_bytes",
                 "cross_node_bytes", "fits"} <= set(r) and r["fits"] is True
@@ -27,12 +29,17 @@ def test_plan_json_rows(tmp_path):
     assert rows[0]["at_rest_bytes"] == pytest.approx(14 * psi, rel=1e-3)
     assert rows[3]["at_rest_bytes"] == pytest.approx(14 * psi / 8, rel=0.03)
     assert rows[3]["at_rest_bytes"] < rows[1]["at_rest_bytes"] < rows[0]["at_rest_bytes"]
-    assert len([f for f in os.listdir(tmp_path) if f.endswith(".hlo.txt")]) == 8
+    # offloaded optimizer at stage 3: bf16 shard 2Ψ/N on the device, master + Adam 12Ψ/N on the
+    # host; with the parameters offloaded too, only scalars (step counts, loss scale) stay
+    assert rows[6]["at_rest_bytes"] == pytest.approx(2 * psi / 8, rel=0.03)
+    assert rows[6]["host_bytes"] == pytest.approx(12 * psi / 8, rel=0.03)
+    assert rows[7]["at_rest_bytes"] < 64
+    assert len([f for f in os.listdir(tmp_path) if f.endswith(".hlo.txt")]) == 2 * len(rows)
 
 
 def test_plan_table_and_bad_input():
     out = _plan("--preset", "tiny", "--devices", "4", "--stage", "3", "--device-memory",
-                "1MB")
+                "1MB", "--no-offload")
     assert out.returncode == 0 and "cheapest that fits 0.001 GB: none" in out.stdout
     bad = _plan("--preset", "tiny", "--mesh", "2x4")
     assert bad.returncode == 2 and "not supported yet" in bad.stderr

@@ -23,6 +23,36 @@ def test_presets_load(stage):
     assert cfg.stage == stage and cfg.persistence_threshold == 1024
 
 
+def test_offload_preset_and_deepspeed_offload_blocks():
+    cfg = zj.ZeroConfig.from_json(CONFIGS / "zero3_offload.json")
+    assert (cfg.stage, cfg.precision, cfg.offload_optimizer, cfg.offload_param, cfg.prefetch) \
+        == (3, "bf16", "cpu", "cpu", 1)
+    no_prefetch = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0}}
+    assert zj.ZeroConfig.from_json(no_prefetch).prefetch == 0
+    tuned = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                      "buffer_count": 4}}}
+    with pytest.raises(zj.ZeroError, match="offload_optimizer.buffer_count"):
+        zj.ZeroConfig.from_json(tuned)
+    with pytest.warns(UserWarning, match="buffer_count"):
+        assert zj.ZeroConfig.from_json(tuned, strict=False).offload_optimizer == "cpu"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "'nvme' is not supported"),
+    ({"stage": 3, "offload_param": "gpu"}, "did you mean 'cpu'"),
+    ({"stage": 0, "offload_optimizer": "cpu"}, "needs stage >= 1"),
+    ({"stage": 2, "offload_param": "cpu"}, "needs stage 3"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False}}, "pin_memory"),
+    ({"stage": 2, "offload_optimizer": {"device": "cpu", "pinned": True}}, "'pinned' is not"),
+    ({"stage": 2, "offload_update": "host"}, "set offload_optimizer='cpu'"),
+    ({"stage": 2, "offload_activations": True, "explicit_collectives": False}, "apply_fn"),
+    ({"stage": 3, "prefetch": 2}, "prefetch must be 0 or 1"),
+])
+def test_bad_offload_and_prefetch_options(kwargs, match):
+    with pytest.raises(zj.ZeroError, match=match):
+        zj.ZeroConfig(**kwargs)
+
+
 def test_json_path_then_keyword_overrides():
     zero = zj.zero_shard(config=str(CONFIGS / "zero3.json"), persistence_threshold=0)
     assert zero.config.stage == 3 and zero.config.persistence_threshold == 0
@@ -41,8 +71,8 @@ def test_deepspeed_dict_and_legacy_bool():
     ({"zero_optimization": {"stag": 3}}, "did you mean 'stage'"),
     ({"zero_optimization": {"stage": 3.5}}, "whole number"),
     ({"zero_optimization": {"stage": 4}}, "stage must be 0, 1, 2 or 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-     "zero_optimization.offload_param: not implemented"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}},
+     "zero_optimization.zero_hpz_partition_size: not implemented"),
     ({"train_batch_size": 64}, "train_batch_size: not implemented"),
     ({"fp16": {"enabled": True, "hysterisis": 2}}, "did you mean 'hysteresis'"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),

@@ -42,6 +42,7 @@ def plan_parser(sub) -> None:
     group.add_argument("--config", help="DeepSpeed-style JSON; plans its stage only")
     group.add_argument("--stage", type=int, choices=[0, 1, 2, 3], help="plan this stage only")
     p.add_argument("--device-memory", type=parse_bytes, help="e.g. 80GB: mark what fits")
+    p.add_argument("--no-offload", action="store_true", help="skip the host-offload rows")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--dump-hlo", metavar="DIR", help="write partitioned and optimized HLO")
 
@@ -71,26 +72,35 @@ def plan(args) -> int:
                                           remat=not args.no_remat, **overrides)
     init_fn = make_init(LM(cfg), optax.adamw(1e-4))
     batch = jax.ShapeDtypeStruct((args.batch_size * args.devices, cfg.seq_len + 1), jnp.int32)
+    stages = [args.stage] if args.stage is not None else range(4)
     configs = ([zj.ZeroConfig.from_json(args.config)] if args.config else
-               [zj.ZeroConfig(stage=s, precision=args.precision)
-                for s in ([args.stage] if args.stage is not None else range(4))])
+               [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages] +
+               [zj.ZeroConfig(stage=s, precision=args.precision,
+                              **{k: v for k, v in offload.items() if k.startswith("offload")})
+                for s in stages for offload in OFFLOADS[1:] if s >= offload["min_stage"]
+                and not args.no_offload])
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
     rows = []
     for cfg_z in configs:
         zero = zj.zero_shard(config=cfg_z, mesh=zj.make_mesh(jax.devices()[:args.devices]))
         state = zero.eval_shape(init_fn, jax.random.key(0))
-        dump = (os.path.join(args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}")
-                if args.dump_hlo else None)
+        offload = _offload_name(cfg_z)
+        dump = (os.path.join(args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}_"
+                             f"offload-{offload}") if args.dump_hlo else None)
         rep = zero.report(zero(train_step), state, batch, dump_to=dump)
         rows.append({
-            "stage": cfg_z.stage, "offload": False, "precision": cfg_z.precision,
+            "stage": cfg_z.stage, "offload": offload, "precision": cfg_z.precision,
             "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
-            "peak_bytes": rep.peak_bytes, "at_rest_bytes": sum(rep.resident.values()),
+            "peak_bytes": rep.peak_bytes, "peak_bound_bytes": rep.peak_bound_bytes,
+            "at_rest_bytes": sum(rep.resident.values()),
             "at_rest_by_category": rep.resident,
+            "host_bytes": sum(rep.host_resident.values()),
             "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
+            "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
             "cross_node_bytes": None,       # a 1-D mesh has no node boundary to count
-            "fits": None if args.device_memory is None else rep.peak_bytes <= args.device_memory,
+            "fits": None if args.device_memory is None else
+            rep.peak_bound_bytes <= args.device_memory,
         })
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -100,22 +110,52 @@ def plan(args) -> int:
 
 
 def _print_table(rows, args, cfg) -> None:
-    gib = lambda b: f"{b / 2**30:9.2f}"
+    unit, size = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
+    gib = lambda b: f"{b / size:9.2f}"
     print(f"preset {args.preset}: {rows[0]['params']:,} parameters, {cfg.n_layers} layers "
           f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
           f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}")
-    print(f"{'stage':>5} {'precision':>9} {'at rest GiB':>11} {'peak GiB':>9} "
-          f"{'comm GiB/step':>13}  fits")
+    print(f"{'stage':>5} {'offload':>15} {'precision':>9} {'at rest ' + unit:>11} "
+          f"{'peak ' + unit:>9} {'bound ' + unit:>9} {'host ' + unit:>9} "
+          f"{'comm ' + unit + '/step':>13}  fits")
     for r in rows:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
-        print(f"{r['stage']:>5} {r['precision']:>9} {gib(r['at_rest_bytes']):>11} "
-              f"{gib(r['peak_bytes'])} {gib(r['comm_bytes']):>13}  {fits}")
-    fitting = [r for r in rows if r["fits"]]
+        print(f"{r['stage']:>5} {r['offload']:>15} {r['precision']:>9} "
+              f"{gib(r['at_rest_bytes']):>11} {gib(r['peak_bytes'])} "
+              f"{gib(r['peak_bound_bytes'])} {gib(r['host_bytes'])} "
+              f"{gib(r['comm_bytes']):>13}  {fits}")
+    print("per device. at rest: state in device memory between steps; peak: compiled arguments "
+          "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
+          "host: offloaded state in pinned host memory. Offload rows update on the host.")
     if args.device_memory is not None:
+        best = cheapest(rows)
         print(f"cheapest that fits {args.device_memory / 1e9:g} GB: " +
-              (f"stage {fitting[0]['stage']} (least communication among those that fit)"
-               if fitting else "none; add devices, lower the batch or sequence, or offload"))
-    print("offload rows: not planned yet (host offload is not implemented yet).")
+              (f"stage {best['stage']}, offload {best['offload']} (no offload before offload, "
+               "then fewest bytes sent per device)" if best else
+               "none; add devices, lower the batch or sequence length"))
+
+
+def cheapest(rows):
+    """The row that fits with the least host traffic (offload rank), then the fewest bytes sent
+    per device (an all-reduce sends twice what a reduce-scatter does), then the lowest peak."""
+    rank = {name: i for i, name in enumerate(o["name"] for o in OFFLOADS)}
+    fitting = [r for r in rows if r["fits"]]
+    return min(fitting, key=lambda r: (rank[r["offload"]], r["comm_sent_bytes"],
+                                       r["peak_bound_bytes"]), default=None)
+
+
+OFFLOADS = (
+    {"name": "none", "min_stage": 0},
+    {"name": "optimizer", "min_stage": 1, "offload_optimizer": "cpu", "offload_update": "host"},
+    {"name": "optimizer+param", "min_stage": 3, "offload_optimizer": "cpu",
+     "offload_param": "cpu", "offload_update": "host"},
+)
+
+
+def _offload_name(cfg) -> str:
+    if cfg.offload_param == "cpu":
+        return "optimizer+param"
+    return "optimizer" if cfg.offload_optimizer == "cpu" else "none"
 
 
 def main(argv=None) -> int:

@@ -106,6 +106,26 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     """Clip the (accumulated, unscaled) gradient to this global L2 norm; 0 turns it off."""
 
+    # ---- host offload (DeepSpeed's `offload_optimizer` / `offload_param`) ---------------------
+    offload_optimizer: Any = "none"
+    """'cpu' (or DeepSpeed's {"device": "cpu", "pin_memory": true}): optimizer state and fp32
+    master weights rest in pinned host memory between steps and stream to the device for the
+    update inside the compiled step. Stages 1-3. 'none' keeps them on the device."""
+
+    offload_param: Any = "none"
+    """Stage 3: 'cpu' keeps the parameter shards in pinned host memory between steps; they are
+    brought to the device inside the step and written back with the update."""
+
+    offload_activations: bool = False
+    """Save the model's matmul outputs for backward in pinned host memory instead of device
+    memory (a JAX remat policy around the model, `offload_dot_with_no_batch_dims`); everything
+    else is recomputed in backward. Needs the `state.apply_fn` hook (explicit_collectives)."""
+
+    offload_update: str = "device"
+    """Where the optimizer update of offloaded state runs: 'device' (state streams to the device
+    and back) or 'host' (`jax.experimental.compute_on('device_host')`: the update runs on the
+    host CPU, only gradients and new parameters cross). 'host' needs offload_optimizer='cpu'."""
+
     def __post_init__(self):
         if not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ZeroError(f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
@@ -129,6 +149,27 @@ class ZeroConfig:
                 raise ZeroError(f"rule regex {rule[0]!r} does not compile: {e}.") from None
         object.__setattr__(self, "rules", rules)
         self._check_update_options()
+        self._check_offload_options()
+
+    def _check_offload_options(self):
+        for name in ("offload_optimizer", "offload_param"):
+            object.__setattr__(self, name, _offload_device(name, getattr(self, name)))
+        if self.offload_optimizer == "cpu" and self.stage < 1:
+            raise ZeroError("offload_optimizer needs stage >= 1 (stage 0 keeps a whole optimizer "
+                            "state per device; shard it first, as DeepSpeed requires).")
+        if self.offload_param == "cpu" and self.stage != 3:
+            raise ZeroError(f"offload_param needs stage 3 (got stage {self.stage}): only stage 3 "
+                            "shards the parameters that it would keep on the host.")
+        _choice("offload_update", self.offload_update, ("device", "host"))
+        if self.offload_update == "host" and self.offload_optimizer != "cpu":
+            raise ZeroError("offload_update='host' runs the update where the offloaded optimizer "
+                            "state lives: set offload_optimizer='cpu' too.")
+        if not isinstance(self.offload_activations, bool):
+            raise ZeroError(f"offload_activations must be True or False "
+                            f"(got {self.offload_activations!r}).")
+        if self.offload_activations and not self.explicit_collectives:
+            raise ZeroError("offload_activations applies its remat policy around state.apply_fn: "
+                            "it needs explicit_collectives=True.")
 
     def _check_update_options(self):
         _choice("precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -165,7 +206,7 @@ class ZeroConfig:
     def manages_update(self) -> bool:
         """Whether zerojax takes over the update (master weights, scaling, accumulation, clip)."""
         return (self.precision != "fp32" or self.gradient_accumulation_steps > 1
-                or self.gradient_clipping > 0)
+                or self.gradient_clipping > 0 or self.offload_update == "host")
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -201,6 +242,30 @@ class ZeroConfig:
 
 _SCALING = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
             "hysteresis": 2, "min_loss_scale": 1.0}
+
+
+_OFFLOAD_KEYS = ("device", "pin_memory")
+
+
+def _offload_device(name: str, value) -> str:
+    """'cpu' or 'none' from 'cpu' / 'none' / None / DeepSpeed's {"device": ..., ...} block."""
+    if value is None:
+        return "none"
+    if isinstance(value, Mapping):
+        for key in value:
+            if key not in _OFFLOAD_KEYS:
+                raise ZeroError(f"{name}: {key!r} is not supported{nearest(key, _OFFLOAD_KEYS)}; "
+                                f"zerojax reads {', '.join(_OFFLOAD_KEYS)} (the others tune "
+                                "DeepSpeed's CPU Adam and NVMe swapper, which zerojax does not use).")
+        if value.get("pin_memory", True) is not True:
+            raise ZeroError(f"{name}: pin_memory=false is not supported: zerojax offloads to "
+                            "pinned host memory, which the device can copy asynchronously.")
+        value = value.get("device", "none")
+    if value == "nvme":
+        raise ZeroError(f"{name}: device 'nvme' is not supported (JAX has no NVMe memory "
+                        "kind); use 'cpu' (pinned host memory) or 'none'.")
+    _choice(f"{name} device", value, ("none", "cpu"))
+    return value
 
 
 def _choice(name, value, allowed):

@@ -17,14 +17,19 @@ ZERO_KEYS = {
     "stage3_param_persistence_threshold": "persistence_threshold",
 }
 
+# Offload blocks: device and pin_memory act (ZeroConfig checks them); the rest tune DeepSpeed's
+# own CPU optimizer and NVMe swapper.
+OFFLOAD_BLOCKS = ("offload_optimizer", "offload_param")
+OFFLOAD_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
+                  "nvme_path", "pipeline", "pipeline_read", "pipeline_write")
+
 # DeepSpeed keys zerojax knows but does not implement yet; each is refused with its reason.
 NOT_YET = "not implemented in zerojax yet"
 KNOWN_ZERO_KEYS = {
-    "offload_optimizer": NOT_YET, "offload_param": NOT_YET,
     "overlap_comm": NOT_YET, "contiguous_gradients": NOT_YET, "reduce_scatter": NOT_YET,
     "reduce_bucket_size": NOT_YET, "allgather_bucket_size": NOT_YET,
     "allgather_partitions": NOT_YET, "round_robin_gradients": NOT_YET,
-    "sub_group_size": NOT_YET, "stage3_prefetch_bucket_size": NOT_YET,
+    "sub_group_size": NOT_YET,
     "stage3_model_persistence_threshold": NOT_YET, "stage3_max_live_parameters": NOT_YET,
     "stage3_max_reuse_distance": NOT_YET, "stage3_gather_16bit_weights_on_model_save": NOT_YET,
     "stage3_gather_fp16_weights_on_model_save": NOT_YET,
@@ -73,6 +78,10 @@ def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict
     for key, value in zero.items():
         if key in ZERO_KEYS:
             options[ZERO_KEYS[key]] = _number(f"zero_optimization.{key}", value)
+        elif key in OFFLOAD_BLOCKS:
+            options[key] = _offload(f"zero_optimization.{key}", value, refused)
+        elif key == "stage3_prefetch_bucket_size":   # zerojax prefetches whole layers: 0 or 1
+            options["prefetch"] = int(_number(f"zero_optimization.{key}", value) > 0)
         elif key in KNOWN_ZERO_KEYS:
             refused.append((f"zero_optimization.{key}", KNOWN_ZERO_KEYS[key]))
         else:
@@ -131,6 +140,17 @@ def _top_level(key: str, value, refused: list) -> dict:
             raise ZeroError(f"unknown key data_types.{sub!r}{nearest(sub, ['grad_accum_dtype'])}.")
         out["grad_accum_dtype"] = _dtype(f"data_types.{sub}", v)
     return out
+
+
+def _offload(name: str, value, refused: list) -> dict:
+    """An offload block with DeepSpeed's tuning keys set aside (refused if set)."""
+    if not isinstance(value, Mapping):
+        raise ZeroError(f"{name} must be an object such as {{\"device\": \"cpu\"}}.")
+    for sub in value:
+        if sub in OFFLOAD_TUNING:
+            refused.append((f"{name}.{sub}", "tunes DeepSpeed's CPU optimizer / NVMe swapper; "
+                            "zerojax offloads through XLA's host memory copies"))
+    return {k: v for k, v in value.items() if k not in OFFLOAD_TUNING}
 
 
 def _dtype(name: str, value) -> str:

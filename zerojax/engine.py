@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.mesh import make_mesh
 from zerojax.optim import prepare_state
-from zerojax.rules import plan_state, path_str
+from zerojax.rules import DEVICE, plan_state, path_str
 from zerojax.step import ZeroStep
 
 
@@ -47,9 +47,11 @@ class ZeroShard:
 
     def state_shardings(self, state):
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives."""
-        specs = plan_state(state, self.config, self.axis_size)[0]
-        return jax.tree_util.tree_map(lambda s: NamedSharding(self.mesh, s), specs,
-                                      is_leaf=lambda x: isinstance(x, P))
+        specs, plans = plan_state(state, self.config, self.axis_size)
+        treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
+        return jax.tree_util.tree_unflatten(treedef, [
+            NamedSharding(self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
+            for p in plans])
 
     def manage(self, state):
         """`state` as this config trains it: with precision, accumulation or clipping on, 16-bit

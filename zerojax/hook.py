@@ -11,6 +11,8 @@ scale and the parameter gradients are divided by it (in fp32) as they leave.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -18,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
 from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, key_name, path_str, split_spec, variables_specs
 
@@ -78,7 +81,8 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
         shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
         gather_ctx = GatherContext(
             axis=axis, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
-            reduce_dtype=dtypes_reduce, scale=scale, prefetch=cfg.prefetch,
+            reduce_dtype=dtypes_reduce, prefetch=cfg.prefetch,
+            offload_activations=cfg.offload_activations,
             split_dims={path_str(p[1:]): split_dim(sp, axis) for (p, _), sp in
                         zip(flat_vars, store) if key_name(p[0]) == PARAMS},
             stored_ndim={path_str(p[1:]): np.ndim(x) for p, x in flat_vars
@@ -94,25 +98,37 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
                 f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
                 "arrays with the batch first, or use zero_shard(..., explicit_collectives=False).")
 
-        def body(copies, shards, values):
-            a, k = _with_values(flat, dynamic, values, in_tree)
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg)
+
+        def body(copies, shards, values, scale):
             copies, shards = iter(copies), iter(shards)
             variables_local = jax.tree_util.tree_unflatten(
                 var_tree, [next(shards) if c else next(copies)[0] for c in claimed])
-            if cfg.stage == 3:
-                with gather_context(gather_ctx):
-                    out = apply_fn(variables_local, *a, **k)
+            if cfg.stage == 3:   # the scale enters as an argument: no outer tracer in the layers
+                with gather_context(dataclasses.replace(gather_ctx, scale=scale)):
+                    out = model(variables_local, values)
             else:
-                out = apply_fn(variables_local, *a, **k)
+                out = model(variables_local, values)
             _check_outputs(out, {r // n for r in batch_rows})
             return out
 
         shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
         out = jax.shard_map(body, mesh=mesh,
-                            in_specs=(tuple(P(axis) for _ in whole), shard_specs, in_specs),
-                            out_specs=P(axis))(copies, shards, tuple(flat[i] for i in dynamic))
+                            in_specs=(tuple(P(axis) for _ in whole), shard_specs, in_specs, P()),
+                            out_specs=P(axis))(copies, shards, tuple(flat[i] for i in dynamic),
+                                               scale)
         return out if scale is None else scale_cotangent(out, scale)
     return apply
+
+
+def _model(apply_fn, flat: list, positions: list, tree, cfg: ZeroConfig):
+    """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
+    over, rematerialised with the activation-offload policy when offload_activations is on."""
+    def model(variables, values):
+        args, kwargs = _with_values(flat, positions, values, tree)
+        return apply_fn(variables, *args, **kwargs)
+    return jax.checkpoint(model, policy=activation_policy()) if cfg.offload_activations \
+        else model
 
 
 def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
@@ -144,7 +160,11 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         copies = compute_copies(tuple(leaves), scale, (_compute_dtypes(variables, cfg),
                                                        tuple(x.dtype for x in leaves)))
-        out = apply_fn(jax.tree_util.tree_unflatten(var_tree, list(copies)), *args, **kwargs)
+        flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg)
+        out = model(jax.tree_util.tree_unflatten(var_tree, list(copies)),
+                    tuple(flat[i] for i in dynamic))
         return out if scale is None else scale_cotangent(out, scale)
     return apply
 

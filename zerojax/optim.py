@@ -127,9 +127,11 @@ def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:
     return opt._replace(accum=accum, micro=opt.micro + 1)
 
 
-def apply_update(state, old_step, grads, cfg: ZeroConfig):
+def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
     """The optimizer step: mean over micro-batches, overflow check (fp16), clipping, the user's
-    optimizer on the fp32 master weights, then params = master.astype(dtype)."""
+    optimizer on the fp32 master weights, then params = master.astype(dtype).
+    `run_optimizer(update, master, inner, grads, finite)`, if given, runs the user's optimizer
+    elsewhere (offload.optimizer_on_host) and keeps the old values where `finite` is False."""
     opt: ZeroOptState = state.opt_state
     k = cfg.gradient_accumulation_steps
     grads = cast_floating(grads, jnp.float32)
@@ -144,11 +146,13 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig):
             grads, optax.EmptyState())
     master = opt.master if present(opt.master) else state.params
 
-    def update(master, inner):
+    def update(master, inner, grads=grads):
         updates, inner = state.tx.inner.update(grads, inner, master)
         return optax.apply_updates(master, updates), inner
 
-    if cfg.precision == "fp16":     # an overflowing step changes nothing but the loss scale
+    if run_optimizer is not None:
+        new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)
+    elif cfg.precision == "fp16":   # an overflowing step changes nothing but the loss scale
         new_master, inner = jax.lax.cond(finite, update, lambda m, i: (m, i), master, opt.inner)
     else:
         new_master, inner = update(master, opt.inner)

@@ -21,7 +21,7 @@ import tempfile
 import jax
 
 from zerojax import xla_flags
-from zerojax.rules import OPT_STATE, OTHER, PARAMS
+from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "bf16": 2, "f16": 2,
@@ -136,9 +136,12 @@ class Report:
     """Per-device memory and per-step communication of one compiled zerojax step."""
     stage: int
     devices: int
-    resident: dict            # category -> bytes of the live state on device 0
+    resident: dict            # category -> bytes of the live state in device 0's memory
+    host_resident: dict       # category -> bytes of device 0's offloaded state (pinned host)
+    host_argument_bytes: int  # step arguments in host memory (offloaded state)
+    streamed_bytes: int       # offloaded state the step copies into device memory (see below)
     kept_replicated: int      # bytes of leaves this stage would shard but the policy keeps whole
-    argument_bytes: int
+    argument_bytes: int       # step arguments in device memory
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
@@ -147,8 +150,16 @@ class Report:
 
     @property
     def peak_bytes(self) -> int:
-        """Compiled peak per device: arguments alive for the whole step plus temporaries."""
+        """Compiled peak per device: device arguments alive for the whole step plus
+        temporaries."""
         return self.argument_bytes + self.temp_bytes
+
+    @property
+    def peak_bound_bytes(self) -> int:
+        """`peak_bytes` plus every offloaded byte the step brings to the device, as if all were
+        there at once: an upper bound. (CPU compilers keep host and device in one memory and
+        elide the copies, so their temporaries cannot show where XLA schedules them.)"""
+        return self.peak_bytes + self.streamed_bytes
 
     def comm_table(self):
         """{(kind, dtype): [count, buffer bytes, sent bytes]} summed over the step."""
@@ -172,11 +183,19 @@ class Report:
                 lines.append(f"  {cat:<28}{mb(self.resident.get(cat, 0))}")
         lines.append(f"  {'total':<28}{mb(sum(self.resident.values()))}")
         lines.append(f"  {'of which kept replicated':<28}{mb(self.kept_replicated)}")
+        if self.host_resident:
+            lines.append("state offloaded to host memory (pinned_host) for device 0:")
+            for cat in CATEGORIES:
+                if cat in self.host_resident:
+                    lines.append(f"  {cat:<28}{mb(self.host_resident[cat])}")
+            lines.append(f"  {'total':<28}{mb(sum(self.host_resident.values()))}")
         lines += ["compiled step (memory_analysis):",
-                  f"  {'arguments':<28}{mb(self.argument_bytes)}",
+                  f"  {'arguments (device)':<28}{mb(self.argument_bytes)}",
                   f"  {'temporaries':<28}{mb(self.temp_bytes)}",
                   f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
                   f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
+                  *([f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
+                     f"bound {mb(self.peak_bound_bytes).strip()})"] if self.streamed_bytes else []),
                   "communication per optimizer step (HLO after SPMD partitioning):",
                   f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"]
         for (kind, dtype), (count, buf, sent) in sorted(self.comm_table().items()):
@@ -203,22 +222,24 @@ def _category(plan) -> str:
 
 
 def resident_bytes(zero, state, device=None):
-    """(bytes by category, bytes kept replicated) of `state`'s shards living on `device` (for an
-    abstract state from `zero.eval_shape`, the shard sizes its shardings give)."""
+    """(device bytes by category, host bytes by category, bytes kept replicated) of `state`'s
+    shards belonging to `device` (for an abstract state from `zero.eval_shape`, the shard sizes
+    its shardings give), split by each leaf's `sharding.memory_kind`."""
     device = device or zero.mesh.devices.flat[0]
-    by_cat = collections.Counter()
+    by_cat, on_host = collections.Counter(), collections.Counter()
     kept = 0
     for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state)):
         if isinstance(leaf, jax.ShapeDtypeStruct):   # abstract state: every device holds a shard
             nbytes = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         else:
             nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-        by_cat[_category(plan)] += nbytes
+        host = getattr(leaf.sharding, "memory_kind", None) == HOST
+        (on_host if host else by_cat)[_category(plan)] += nbytes
         sharded_here = plan.category == OPT_STATE or (plan.category == PARAMS
                                                       and zero.config.stage == 3)
         if sharded_here and zero.config.stage >= 1 and plan.reason.startswith("replicated"):
             kept += nbytes
-    return dict(by_cat), kept
+    return dict(by_cat), dict(on_host), kept
 
 
 def compile_with_partitioned_hlo(lowered):
@@ -253,9 +274,18 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
             step.lower(state, batch, *extra, micro=True))
         collectives += parse_collectives(micro_hlo, zero.axis_size) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
-    resident, kept = resident_bytes(zero, state)
+    resident, host, kept = resident_bytes(zero, state)
+    # CPU's memory_analysis counts host-memory arguments with the device's (its host fields
+    # stay 0): take the offloaded state out of the arguments there
+    host_args = int(mem.host_argument_size_in_bytes) or sum(host.values())
+    device_args = int(mem.argument_size_in_bytes) - (
+        0 if mem.host_argument_size_in_bytes else sum(host.values()))
+    # the step brings offloaded state to the device: all of it when the update runs there,
+    # only the parameters when it runs on the host
+    streamed = host.get(PARAMS, 0) if zero.config.offload_update == "host" else sum(host.values())
     return Report(stage=zero.config.stage, devices=zero.axis_size, resident=resident,
-                  kept_replicated=kept, argument_bytes=int(mem.argument_size_in_bytes),
+                  host_resident=host, host_argument_bytes=host_args, streamed_bytes=streamed,
+                  kept_replicated=kept, argument_bytes=device_args,
                   output_bytes=int(mem.output_size_in_bytes),
                   alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=temp,
                   collectives=collectives, xla_flags=xla_flags.effective())

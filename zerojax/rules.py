@@ -20,6 +20,7 @@ from zerojax.config import ZeroError, ZeroConfig
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
 PER_DEVICE = "per_device"   # opt_state field of per-device buffers: (devices, *shape), split dim 0
+DEVICE, HOST = "device", "pinned_host"   # JAX memory kinds a leaf may rest in
 LARGE_REPLICATED_BYTES = 1 << 20  # warn when a leaf this big must stay replicated
 
 
@@ -32,6 +33,7 @@ class LeafPlan:
     dtype: str
     spec: P
     reason: str          # 'sharded dim 1', 'replicated: below persistence threshold', ...
+    memory: str = DEVICE  # memory kind at rest: DEVICE, or HOST when offloaded
 
     @property
     def nbytes(self) -> int:
@@ -116,9 +118,22 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int) -> tuple[object, list[Lea
         else:
             spec, reason = P(), "replicated: not params or optimizer state"
         plans.append(LeafPlan(path_str(path), cat, tuple(leaf.shape), str(leaf.dtype), spec,
-                              reason))
+                              reason, _memory_kind(cat, path, leaf, cfg)))
     _warn_large_replicated(plans, axis_size)
     return jax.tree_util.tree_unflatten(treedef, [p.spec for p in plans]), plans
+
+
+def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
+    """HOST for offloaded leaves: every parameter with offload_param; with offload_optimizer
+    every array of the optimizer state (master weights, moments, the 'reduced' accumulation
+    buffer) except scalars (step counts, loss scale: read by the host loop) and the per-device
+    buffers that local accumulation adds to on every micro-batch."""
+    if cat == PARAMS and cfg.offload_param == "cpu":
+        return HOST
+    if (cat == OPT_STATE and cfg.offload_optimizer == "cpu" and len(leaf.shape) >= 1
+            and not (len(path) > 1 and key_name(path[1]) == PER_DEVICE)):
+        return HOST
+    return DEVICE
 
 
 def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int):

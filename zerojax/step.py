@@ -17,13 +17,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.config import ZeroError
 from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, capture_gradients,
-                           cast_floating, update_metrics)
+                           cast_floating, present, update_metrics)
 from zerojax.comm.gather import reduce_gradient, split_dim
+from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
 
 
@@ -104,15 +105,18 @@ class ZeroStep:
     def _traced(self, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
         state = jax.lax.with_sharding_constraint(state, shardings)
+        host_update = cfg.offload_update == "host"
+        state = to_device(state, shardings,
+                          keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None)
         if cfg.manages_update and cfg.accumulates_locally:
             out = self._traced_local(shardings, micro, state, batch, *extra)
         else:
-            out = self._traced_global(batch_rows, micro, state, batch, *extra)
+            out = self._traced_global(shardings, batch_rows, micro, state, batch, *extra)
         if cfg.precision != "fp32" and not micro:
             out = _cast_before_gather(out, state, shardings)
         return _constrain_new_state(out, state, shardings)
 
-    def _traced_global(self, batch_rows, micro, state, batch, *extra):
+    def _traced_global(self, shardings, batch_rows, micro, state, batch, *extra):
         cfg, mesh = self.zero.config, self.zero.mesh
         original, calls = getattr(state, "apply_fn", None), []
         managed = cfg.manages_update
@@ -140,16 +144,35 @@ class ZeroStep:
             new_state = new_state.replace(opt_state=accumulate(state.opt_state, grads),
                                           step=state.step)
         else:
-            new_state = apply_update(new_state, state.step, grads, cfg)
+            new_state = self._update(shardings, new_state, state.step, grads)
         return _with_metrics(new_state, rest)
+
+    def _grad_specs(self, params):
+        """Specs of the reduced gradients: split like the optimizer state from stage 2 on."""
+        cfg, n = self.zero.config, self.zero.axis_size
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0]
+            if cfg.stage >= 2 else P(), params)
+
+    def _update(self, shardings, new_state, old_step, grads):
+        """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
+        cfg = self.zero.config
+        if cfg.offload_update != "host":
+            return apply_update(new_state, old_step, grads, cfg)
+        mesh, opt = self.zero.mesh, shardings.opt_state
+        grads_sh = jax.tree_util.tree_map_with_path(   # gradients split like the master
+            lambda p, x: NamedSharding(mesh, split_spec(x.shape, cfg.axis, self.zero.axis_size,
+                                                        cfg, path_str(p))[0]), new_state.params)
+        host = (opt.master if present(opt.master) else shardings.params, opt.inner, grads_sh,
+                NamedSharding(mesh, P()))
+        return apply_update(new_state, old_step, grads, cfg,
+                            run_optimizer=functools.partial(optimizer_on_host, shardings=host))
 
     def _traced_local(self, shardings, micro, state, batch, *extra):
         cfg, mesh, axis = self.zero.config, self.zero.mesh, self.zero.config.axis
         n = self.zero.axis_size
         specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
-        param_grad_specs = jax.tree_util.tree_map_with_path(
-            lambda p, x: split_spec(x.shape, axis, n, cfg, path_str(p))[0] if cfg.stage >= 2
-            else P(), state.params)
+        param_grad_specs = self._grad_specs(state.params)
         original, calls = state.apply_fn, []
         scale = state.opt_state.scale if cfg.precision == "fp16" else None
 
@@ -185,7 +208,7 @@ class ZeroStep:
         if micro:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
         else:
-            new_state = apply_update(new_state, state.step, reduced, cfg)
+            new_state = self._update(shardings, new_state, state.step, reduced)
         return _with_metrics(new_state, rest)
 
     def _warn_if_not_hooked(self):
@@ -277,5 +300,5 @@ def _constrain_new_state(out, state, shardings):
     if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):
         raise ZeroError("the state a zerojax step returns must have the structure of the state "
                         f"it received ({type(state).__name__}); did the step add or drop fields?")
-    new = jax.lax.with_sharding_constraint(new, shardings)
+    new = to_storage(new, shardings)
     return new if rest is None else (new, *rest)

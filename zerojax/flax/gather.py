@@ -10,6 +10,8 @@ backward gather cannot be merged with the forward one. With `prefetch=1` an unro
 gather depends instead on the previous gathered layer's input (cotangent in backward), so it
 can run while that layer computes; a scanned layer has no such anchor inside its loop body, and
 XLA's collective pipeliner (GPU) may move the next iteration's gather into the current one.
+With `offload_activations`, the one activation a layer saves for backward, its input, is kept
+in pinned host memory until its backward needs it.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class GatherContext:
     reduce_dtype: object
     scale: object = None      # fp16 loss scale (the cotangent arrives multiplied by it)
     prefetch: int = 0         # layers ahead a gather may be issued (0 or 1)
+    offload_activations: bool = False   # keep each layer's saved input in pinned host memory
     discover: bool = False    # only record which modules gather
     claimed: set = dataclasses.field(default_factory=set)
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
@@ -94,6 +97,12 @@ def _layer_dim(ctx, prefix, path, leaf):
     return dim
 
 
+def _to_memory(tree, space):
+    """The array leaves of `tree` copied to memory `space` (layer inputs saved on the host)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
+
+
 def _scalar(anchor):
     """A float32 scalar read from `anchor` (a pytree), or None when it holds no floats."""
     leaves = [x for x in jax.tree_util.tree_leaves(anchor)
@@ -131,29 +140,32 @@ def _gather(shards, dims, ctx):
     return jax.tree_util.tree_map(one, shards, dims)
 
 
-def _scatter(grads, dims, shards, ctx):
+def _scatter(grads, dims, shards, ctx, scale):
     return jax.tree_util.tree_map(
         lambda g, dim, x: unscale(reduce_gradient(g, None if dim < 0 else dim, ctx.axis,
-                                                  ctx.reduce_dtype), ctx.scale, x.dtype),
+                                                  ctx.reduce_dtype), scale, x.dtype),
         grads, dims, shards)
 
 
 def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
     """`apply(gathered params, args, kwargs)` with the memory behaviour of the module docstring."""
     @jax.custom_vjp
-    def run(shards, args, anchor):
+    def run(shards, args, anchor, scale):
         return apply(_gather(_depend(shards, anchor), dims, ctx), args, kwargs)
 
-    def fwd(shards, args, anchor):
-        return run(shards, args, anchor), (shards, args, anchor)
+    def fwd(shards, args, anchor, scale):
+        saved = _to_memory(args, jax.memory.Space.Host) if ctx.offload_activations else args
+        return run(shards, args, anchor, scale), (shards, saved, anchor, scale)
 
-    def bwd(res, ct):
-        shards, args, anchor = res
+    def bwd(res, ct):   # the loss scale arrives as a residual: bwd runs in another trace
+        shards, args, anchor, scale = res
+        if ctx.offload_activations:
+            args = _to_memory(args, jax.memory.Space.Device)
         params = _gather(_depend(shards, _scalar(_anchor(ctx, "bwd", ct, scanned))), dims, ctx)
         _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
         dparams, dargs = vjp(ct)
-        return (_scatter(dparams, dims, shards, ctx), dargs,
-                None if anchor is None else jnp.zeros_like(anchor))
+        zero = lambda x: None if x is None else jnp.zeros_like(x)
+        return _scatter(dparams, dims, shards, ctx, scale), dargs, zero(anchor), zero(scale)
 
     run.defvjp(fwd, bwd)
-    return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)))
+    return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)
