@@ -8,5 +8,13 @@ from zerojax.engine import ZeroShard, zero_shard
 from zerojax.step import ZeroStep
 from zerojax.mesh import make_mesh
 
-__all__ = ["ZeroError", "ZeroConfig", "ZeroShard", "ZeroStep", "make_mesh", "zero_shard"]
+__all__ = ["CheckpointManager", "ZeroError", "ZeroConfig", "ZeroShard", "ZeroStep", "make_mesh",
+           "zero_shard"]
+
+
+def __getattr__(name):
+    if name == "CheckpointManager":      # orbax loads only when checkpoints are used
+        from zerojax.checkpoint import CheckpointManager
+        return CheckpointManager
+    raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -1,6 +1,8 @@
 """The `zerojax` command.
 
     zerojax plan --preset 7b --devices 8 --device-memory 80GB
+    zerojax checkpoint info DIR
+    zerojax checkpoint export DIR --dtype bf16 --out model.safetensors
 
 `plan` compiles the example LM's train step ahead of time for N simulated devices (nothing is
 allocated; `zero.eval_shape`) and prints, per ZeRO stage, the per-device bytes at rest and at
@@ -158,12 +160,52 @@ def _offload_name(cfg) -> str:
     return "optimizer" if cfg.offload_optimizer == "cpu" else "none"
 
 
+def checkpoint_parser(sub) -> None:
+    p = sub.add_parser("checkpoint", help="inspect or export a zerojax checkpoint directory")
+    actions = p.add_subparsers(dest="action", required=True)
+    i = actions.add_parser("info", help="steps, leaves (shape, dtype, bytes, saved sharding)")
+    i.add_argument("directory")
+    i.add_argument("--step", type=int, help="default: the latest complete step")
+    i.add_argument("--json", action="store_true")
+    e = actions.add_parser("export", help="consolidated parameters, streamed leaf by leaf")
+    e.add_argument("directory")
+    e.add_argument("--step", type=int, help="default: the latest complete step")
+    e.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    e.add_argument("--out", required=True, help="FILE.safetensors or FILE.msgpack")
+
+
+def checkpoint(args) -> int:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from zerojax.config import ZeroError
+    from zerojax.export import export, info
+    try:
+        if args.action == "export":
+            done = export(args.directory, args.out, step=args.step, dtype=args.dtype)
+            print(f"wrote {done['out']}: step {done['step']}, {done['leaves']} parameter "
+                  f"leaves in {done['dtype']}, {done['bytes']:,} bytes")
+            return 0
+        summary = info(args.directory, step=args.step)
+    except ZeroError as e:
+        print(f"zerojax checkpoint: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"{summary['directory']}: steps {summary['steps']}; step {summary['step']}, "
+          f"{summary['total_bytes']:,} bytes, extra {summary['extra']}")
+    for leaf in summary["leaves"]:
+        print(f"  {leaf['path']:<60} {str(tuple(leaf['shape'])):>20} {leaf['dtype']:>9} "
+              f"{leaf['bytes']:>14,}  saved as {leaf['saved_sharding']}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="zerojax", description="zerojax command line")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
+    checkpoint_parser(sub)
     args = parser.parse_args(argv)
-    return plan(args)
+    return plan(args) if args.command == "plan" else checkpoint(args)
 
 
 if __name__ == "__main__":

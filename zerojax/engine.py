@@ -8,11 +8,13 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.mesh import make_mesh
+from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
 from zerojax.rules import DEVICE, plan_state, path_str
 from zerojax.step import ZeroStep
@@ -68,10 +70,10 @@ class ZeroShard:
     def init(self, init_fn, *args, **kwargs):
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        shardings = jax.tree_util.tree_map(lambda x: x.sharding,
-                                           self.eval_shape(init_fn, *args, **kwargs))
-        return jax.jit(lambda *a, **k: self.manage(init_fn(*a, **k)),
-                       out_shardings=shardings)(*args, **kwargs)
+        def make(*a, **k):    # traced once: init_fn may build a new model object per call
+            state = jax.tree_util.tree_map(jnp.asarray, self.manage(init_fn(*a, **k)))
+            return to_storage(state, self.state_shardings(state))
+        return jax.jit(make)(*args, **kwargs)
 
     def eval_shape(self, init_fn, *args, **kwargs):
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,

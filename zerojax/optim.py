@@ -106,18 +106,23 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
         lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32)
     local = cfg.accumulates_locally
-    scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
     opt = ZeroOptState(
         inner=state.opt_state,
         master=params32 if cfg.precision != "fp32" else (),
         accum=zeros(()) if k > 1 and not local else (),
         per_device=zeros((axis_size,)) if local else (),
-        micro=jnp.zeros((), jnp.int32), scale=jnp.asarray(scale, jnp.float32),
-        good_steps=jnp.zeros((), jnp.int32), hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
-        skipped=jnp.zeros((), jnp.int32), last_skipped=jnp.zeros((), bool),
-        grad_norm=jnp.zeros((), jnp.float32), overflow_at_min_scale=jnp.zeros((), bool))
+        micro=jnp.zeros((), jnp.int32), **initial_scaler(cfg))
     return state.replace(params=cast_floating(state.params, DTYPES[cfg.precision]),
                          opt_state=opt, tx=ZeroTx(state.tx))
+
+
+def initial_scaler(cfg: ZeroConfig) -> dict:
+    """The loss scaler's counters and metrics as a fresh state starts them."""
+    scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
+    return dict(scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
+                hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
+                skipped=jnp.zeros((), jnp.int32), last_skipped=jnp.zeros((), bool),
+                grad_norm=jnp.zeros((), jnp.float32), overflow_at_min_scale=jnp.zeros((), bool))
 
 
 def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:

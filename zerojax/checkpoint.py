@@ -1,0 +1,227 @@
+"""Sharded checkpoints on orbax: async saves, restore onto any mesh, stage, precision, offload.
+
+A checkpoint holds the state's *training truth*, not its layout: `params` (the fp32 master
+weights when zerojax keeps them, else the parameters), `opt_state` (the user's optax state),
+`other` (every other array field: step, RNG keys, user counters) and `zero` (the fp16 loss
+scaler's counters). Each array is written by the processes that hold its shards (orbax), and
+restoring reads it straight into the shardings and memory kinds the CURRENT `zero` gives the
+target state, so a checkpoint from 8 devices at stage 3 with bf16 and offload restores onto 1
+device at stage 0 in fp32, with no conversion step. Orbax writes each step into a temporary
+directory and renames it when complete, so a crash never leaves a partial step that restore
+would read.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zerojax.config import ZeroError
+from zerojax.optim import ZeroOptState, initial_scaler, present
+from zerojax.rules import DEVICE, OPT_STATE, PARAMS, key_name
+
+# ZeroOptState fields a checkpoint keeps under "zero" (the others are derived or empty at an
+# optimizer-step boundary: master -> params, inner -> opt_state, accum / per_device zeros)
+SCALER_FIELDS = ("scale", "good_steps", "hysteresis", "skipped", "last_skipped", "grad_norm",
+                 "overflow_at_min_scale")
+
+
+def _canonical_paths(state) -> list:
+    """[(canonical key tuple or None, leaf)] for every leaf of `state` (None: not saved)."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = tuple(key_name(k) for k in path)
+        head = names[0] if names else ""
+        if head == PARAMS:
+            managed = isinstance(getattr(state, "opt_state", None), ZeroOptState) and \
+                present(state.opt_state.master)
+            out.append((None if managed else names, leaf))   # the master is the truth
+        elif head == OPT_STATE and isinstance(getattr(state, "opt_state", None), ZeroOptState):
+            field = names[1]
+            if field == "master":
+                out.append(((PARAMS, *names[2:]), leaf))
+            elif field == "inner":
+                out.append(((OPT_STATE, *names[2:]), leaf))
+            elif field in SCALER_FIELDS:
+                out.append((("zero", field), leaf))
+            else:                                   # micro, accum, per_device: step-boundary 0
+                out.append((None, leaf))
+        elif head == OPT_STATE:
+            out.append((names, leaf))
+        else:
+            out.append((("other", *names), leaf))
+    return out
+
+
+def nest(pairs) -> dict:
+    """A nested dict from (key tuple, value) pairs."""
+    tree = {}
+    for keys, value in pairs:
+        node = tree
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return tree
+
+
+def _lookup(tree, keys):
+    for k in keys:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return tree
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def canonical_tree(state) -> dict:
+    """The nested dict of arrays a checkpoint stores for `state` (typed RNG keys as key data)."""
+    micro = getattr(getattr(state, "opt_state", None), "micro", None)
+    if micro is not None and int(jax.device_get(micro)) != 0:
+        raise ZeroError(f"cannot checkpoint in the middle of gradient accumulation (micro-step "
+                        f"{int(jax.device_get(micro))}): save after an optimizer step.")
+    return nest((keys, jax.random.key_data(x) if _is_key(x) else x)
+                 for keys, x in _canonical_paths(state) if keys is not None)
+
+
+class CheckpointManager:
+    """Sharded, async checkpoints of a zerojax train state (see the module docstring).
+
+        ckpt = zj.CheckpointManager("ckpt", zero, save_interval_steps=100)
+        state, extra = ckpt.restore(state)            # if ckpt.latest_step() is not None
+        ckpt.save(step, state, extra={"data_position": pos})
+        ckpt.close()
+    """
+
+    def __init__(self, directory, zero, *, save_interval_steps: int = 1,
+                 max_to_keep: int | None = None, async_save: bool = True,
+                 save_on_preemption: bool = False):
+        self.directory, self.zero = os.path.abspath(os.fspath(directory)), zero
+        self._mgr = ocp.CheckpointManager(self.directory, item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(
+            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
+            cleanup_tmp_directories=True, enable_async_checkpointing=async_save))
+        self.preempted = False
+        if save_on_preemption:
+            previous = signal.getsignal(signal.SIGTERM)
+
+            def on_sigterm(signum, frame):
+                self.preempted = True      # the next save() saves, waits, and says so
+                if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
+                    previous(signum, frame)
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def save(self, step: int, state, extra: dict | None = None, *, force: bool = False) -> bool:
+        """Start saving `state` (and JSON-able `extra`) as `step` if the interval says so, or
+        `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
+        Returns whether a save started. Only the device-to-host copy blocks the caller."""
+        force = force or self.preempted
+        saved = self._mgr.save(int(step), force=force, args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(canonical_tree(state)),
+            extra=ocp.args.JsonSave(dict(extra or {}))))
+        if self.preempted:
+            self._mgr.wait_until_finished()
+        return saved
+
+    def restore(self, target, step: int | None = None):
+        """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
+        an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
+        is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
+        step = self.latest_step() if step is None else int(step)
+        if step is None or step not in self._mgr.all_steps():
+            raise ZeroError(f"no complete checkpoint {'' if step is None else step} in "
+                            f"{self.directory} (steps there: {list(self._mgr.all_steps())}).")
+        abstract = jax.eval_shape(self.zero.manage, target)
+        shardings = self.zero.state_shardings(abstract)
+        wanted = _canonical_paths(abstract)
+        saved = _saved_tree(self._mgr.item_metadata(step)["state"])
+        request, restore_args = [], []
+        for (keys, leaf), sharding in zip(wanted, jax.tree_util.tree_leaves(shardings)):
+            meta = None if keys is None else _lookup(saved, keys)
+            if keys is None or (meta is None and keys[0] == "zero"):
+                continue                            # derived, or a fresh scaler is fine
+            shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
+            if meta is None:
+                raise ZeroError(f"checkpoint step {step} in {self.directory} has no "
+                                f"{'/'.join(keys)}, which the target state needs.")
+            if tuple(meta.shape) != shape:
+                raise ZeroError(f"checkpoint leaf {'/'.join(keys)} has shape "
+                                f"{tuple(meta.shape)}, the target {shape}: a different model?")
+            request.append((keys, jax.ShapeDtypeStruct(shape, meta.dtype)))
+            restore_args.append((keys, ocp.ArrayRestoreArgs(
+                sharding=sharding if not _is_key(leaf) else
+                jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()),
+                dtype=meta.dtype)))
+        out = self._mgr.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(item=nest(request), restore_args=nest(restore_args),
+                                         partial_restore=True),
+            extra=ocp.args.JsonRestore()))
+        return (_assemble(abstract, shardings, wanted, out["state"], self.zero.config),
+                dict(out["extra"] or {}))
+
+    def latest_step(self) -> int | None:
+        return self._mgr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mgr.all_steps())
+
+    def wait(self):
+        """Block until every started save is on disk."""
+        self._mgr.wait_until_finished()
+
+    def close(self):
+        self._mgr.wait_until_finished()
+        self._mgr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _saved_tree(meta) -> dict:
+    """The nested dict of per-leaf metadata (shape, dtype) of a saved canonical tree."""
+    return getattr(meta, "tree", meta)
+
+
+def _key_size(leaf) -> int:
+    """Trailing size of a typed PRNG key's data (2 for threefry)."""
+    return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), leaf.dtype)).shape[-1]
+
+
+def _assemble(abstract, shardings, wanted, restored, cfg):
+    """The target state from restored canonical arrays, each leaf in its dtype, sharding and
+    memory kind. Leaves a checkpoint does not store are derived: 16-bit params from the master
+    weights, zero micro counter and accumulation buffers, and (from a checkpoint without them)
+    fresh loss-scaler counters."""
+    scaler = initial_scaler(cfg)
+    leaves = []
+    for (path, leaf), (keys, _), sharding in zip(
+            jax.tree_util.tree_flatten_with_path(abstract)[0], wanted,
+            jax.tree_util.tree_leaves(shardings)):
+        names = tuple(key_name(k) for k in path)
+        if keys is None:
+            value = _lookup(restored, (PARAMS, *names[1:])) if names[0] == PARAMS else \
+                np.zeros(leaf.shape, leaf.dtype)
+        else:
+            value = _lookup(restored, keys)
+            if value is None:
+                value = scaler[keys[1]]
+        leaves.append(_place(value, leaf, sharding))
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract), leaves)
+
+
+def _place(value, leaf, sharding):
+    """`value` as `leaf`'s dtype in `sharding` (its memory kind included)."""
+    if _is_key(leaf):
+        value = jax.random.wrap_key_data(value, impl=leaf.dtype._impl)
+    elif np.dtype(value.dtype) != np.dtype(leaf.dtype):
+        value = jax.device_put(value, sharding.with_memory_kind(DEVICE)).astype(leaf.dtype)
+    return jax.device_put(value, sharding)

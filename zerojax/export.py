@@ -1,0 +1,141 @@
+"""Consolidated parameters out of a zerojax checkpoint, one leaf at a time, and its summary.
+
+`export` writes the full (unsharded) parameters of one checkpoint step to a `.safetensors`
+file (Hugging Face's format: a JSON header of names, dtypes, shapes and offsets, then raw
+little-endian data) or a `.msgpack` file that `flax.serialization.msgpack_restore` reads. The
+header is computed from the checkpoint's metadata first, then each leaf is read alone from
+disk (no devices, no mesh), converted and appended, so host memory stays near the largest
+leaf, not the model. `info` says what a checkpoint directory holds.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import jax.numpy as jnp
+import msgpack
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import serialization
+
+from zerojax.checkpoint import nest
+from zerojax.config import ZeroError
+
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _manager(directory):
+    if not os.path.isdir(directory):
+        raise ZeroError(f"{directory} is not a directory.")
+    return ocp.CheckpointManager(os.path.abspath(directory), item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(create=False, save_interval_steps=0))
+
+
+def _leaves(tree, prefix=()):
+    """[(key tuple, metadata)] of a nested metadata dict, in sorted key order."""
+    out = []
+    for k in sorted(tree):
+        if isinstance(tree[k], dict):
+            out += _leaves(tree[k], prefix + (k,))
+        else:
+            out.append((prefix + (k,), tree[k]))
+    return out
+
+
+def _step_and_tree(directory, step):
+    mgr = _manager(directory)
+    steps = list(mgr.all_steps())
+    step = mgr.latest_step() if step is None else int(step)
+    if step is None or step not in steps:
+        raise ZeroError(f"no complete checkpoint {'' if step is None else step} in {directory} "
+                        f"(steps there: {steps}).")
+    meta = mgr.item_metadata(step)["state"]
+    return mgr, step, getattr(meta, "tree", meta)
+
+
+def info(directory, step: int | None = None) -> dict:
+    """Steps present and, for one step (latest by default), every saved leaf: shape, dtype,
+    bytes and how it was sharded when saved; plus the step's `extra`."""
+    mgr, step, tree = _step_and_tree(directory, step)
+    leaves = []
+    for keys, meta in _leaves(tree):
+        sharding = getattr(meta, "sharding", None)
+        leaves.append({"path": "/".join(keys), "shape": list(meta.shape),
+                       "dtype": str(np.dtype(meta.dtype)),
+                       "bytes": int(np.prod(meta.shape)) * np.dtype(meta.dtype).itemsize,
+                       "saved_sharding": str(getattr(sharding, "partition_spec", sharding))})
+    extra = mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
+    return {"directory": os.path.abspath(directory), "steps": list(mgr.all_steps()),
+            "step": step, "extra": dict(extra or {}), "leaves": leaves,
+            "total_bytes": sum(x["bytes"] for x in leaves)}
+
+
+def _read_leaf(path, keys, meta, dtype):
+    """One saved array as a host numpy array in `dtype` (only this leaf is read)."""
+    item = restore_args = None
+    for k in reversed(keys):
+        item = {k: item if item is not None else np.zeros((), np.float32)}
+        restore_args = {k: restore_args if restore_args is not None else
+                        ocp.RestoreArgs(restore_type=np.ndarray)}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=True))
+    for k in keys:
+        out = out[k]
+    return np.asarray(out).astype(dtype)
+
+
+def export(directory, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
+    """Write checkpoint `step`'s parameters (the fp32 master when it has one) to `out`
+    (.safetensors or .msgpack) in `dtype` ('fp32', 'bf16' or 'fp16'), leaf by leaf."""
+    if dtype not in EXPORT_DTYPES:
+        raise ZeroError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}; got {dtype!r}.")
+    if not out.endswith((".safetensors", ".msgpack")):
+        raise ZeroError(f"export writes .safetensors or .msgpack files; got {out!r}.")
+    mgr, step, tree = _step_and_tree(directory, step)
+    if "params" not in tree:
+        raise ZeroError(f"checkpoint step {step} in {directory} holds no params.")
+    params = _leaves(tree["params"])
+    np_dtype = np.dtype(getattr(jnp, EXPORT_DTYPES[dtype]))
+    path = os.path.join(mgr.directory, str(step), "state")
+    tmp = out + ".partial"                     # never leave a half-written file under `out`
+    with open(tmp, "wb") as f:
+        if out.endswith(".safetensors"):
+            _write_safetensors(f, params, path, np_dtype, step)
+        else:
+            _write_msgpack(f, params, path, np_dtype)
+    os.replace(tmp, out)
+    return {"step": step, "leaves": len(params), "dtype": dtype, "out": out,
+            "bytes": os.path.getsize(out)}
+
+
+def _write_safetensors(f, params, path, dtype, step):
+    header, offset = {"__metadata__": {"format": "flax", "zerojax_step": str(step)}}, 0
+    for keys, meta in params:
+        n = int(np.prod(meta.shape)) * dtype.itemsize
+        header[".".join(keys)] = {"dtype": SAFETENSORS_DTYPES[dtype.name],
+                                  "shape": list(meta.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)            # the data starts 8-byte aligned
+    f.write(struct.pack("<Q", len(text)) + text)
+    for keys, meta in params:
+        f.write(_read_leaf(path, ("params", *keys), meta, dtype).tobytes(order="C"))
+
+
+def _write_msgpack(f, params, path, dtype):
+    """A nested map, packed as flax.serialization does, written key by key."""
+    packer = msgpack.Packer(default=serialization._msgpack_ext_pack, use_bin_type=True)
+
+    def write(node: dict, prefix: tuple):
+        f.write(packer.pack_map_header(len(node)))
+        for k in sorted(node):
+            f.write(packer.pack(k))
+            if isinstance(node[k], dict):
+                write(node[k], prefix + (k,))
+            else:
+                f.write(packer.pack(_read_leaf(path, ("params", *prefix, k), node[k], dtype)))
+    write(nest(params), ())
