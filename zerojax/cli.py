@@ -3,6 +3,7 @@
     zerojax plan --preset 7b --devices 8 --device-memory 80GB
     zerojax checkpoint info DIR
     zerojax checkpoint export DIR --dtype bf16 --out model.safetensors
+    zerojax config explain ds_config.json
 
 `plan` compiles the example LM's train step ahead of time for N simulated devices (nothing is
 allocated; `zero.eval_shape`) and prints, per ZeRO stage, the per-device bytes at rest and at
@@ -199,13 +200,44 @@ def checkpoint(args) -> int:
     return 0
 
 
+def config_parser(sub) -> None:
+    p = sub.add_parser("config", help="what zerojax does with a DeepSpeed JSON config")
+    actions = p.add_subparsers(dest="action", required=True)
+    e = actions.add_parser("explain", help="key by key: acts / ignored (why) / error")
+    e.add_argument("file")
+    e.add_argument("--devices", type=int, help="resolve the batch arithmetic for N devices")
+
+
+def config(args) -> int:
+    from zerojax.config import ZeroConfig, ZeroError
+    from zerojax.deepspeed import explain
+    try:
+        with open(args.file) as f:
+            data = json.load(f)
+        rows, options, unknown = explain(data)
+        resolved = ZeroConfig(**options)
+        if args.devices:
+            resolved = resolved.for_devices(args.devices)
+    except (OSError, json.JSONDecodeError, ZeroError) as e:
+        print(f"zerojax config: {args.file}: {e}", file=sys.stderr)
+        return 2
+    width = max([len(r.key) for r in rows] + [10])
+    for r in rows:
+        print(f"{r.key:<{width}}  {r.kind:<8} {r.what}")
+    for line in unknown:
+        print(f"{'?':<{width}}  {'error':<8} {line}")
+    print(resolved)
+    return 2 if unknown else 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="zerojax", description="zerojax command line")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
     checkpoint_parser(sub)
+    config_parser(sub)
     args = parser.parse_args(argv)
-    return plan(args) if args.command == "plan" else checkpoint(args)
+    return {"plan": plan, "checkpoint": checkpoint, "config": config}[args.command](args)
 
 
 if __name__ == "__main__":

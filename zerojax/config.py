@@ -92,9 +92,18 @@ class ZeroConfig:
     """fp16: the scale never goes below this; overflowing there raises an error."""
 
     # ---- the update ----------------------------------------------------------------------------
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: Any = 1
     """k: the step is called once per micro-batch and every k-th call applies the update with
-    the mean of the k gradients (one optimizer step on a k-times larger batch)."""
+    the mean of the k gradients (one optimizer step on a k-times larger batch). 'auto': inferred
+    from train_batch_size and micro_batch_size once the device count is known."""
+
+    train_batch_size: Any = 0
+    """DeepSpeed's train_batch_size: examples per optimizer step over all devices
+    (= micro_batch_size x gradient_accumulation_steps x devices). 0: not set; 'auto': inferred."""
+
+    micro_batch_size: Any = 0
+    """DeepSpeed's train_micro_batch_size_per_gpu: examples per device per call of the step;
+    when set, a batch of another size is an error. 0: not set; 'auto': inferred."""
 
     accumulate: str = "auto"
     """Where gradients accumulate between micro-batches. 'local': each device sums its own
@@ -176,10 +185,16 @@ class ZeroConfig:
         _choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
         _choice("grad_accum_dtype", self.grad_accum_dtype, ("fp32", "bf16", "fp16"))
         _choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
-        if not isinstance(self.gradient_accumulation_steps, int) or \
-                self.gradient_accumulation_steps < 1:
-            raise ZeroError("gradient_accumulation_steps must be an integer >= 1 (got "
+        if self.gradient_accumulation_steps != "auto" and (
+                not _is_int(self.gradient_accumulation_steps)
+                or self.gradient_accumulation_steps < 1):
+            raise ZeroError("gradient_accumulation_steps must be an integer >= 1 or 'auto' (got "
                             f"{self.gradient_accumulation_steps!r}).")
+        for name in ("train_batch_size", "micro_batch_size"):
+            value = getattr(self, name)
+            if value != "auto" and (not _is_int(value) or value < 0):
+                raise ZeroError(f"{name} must be an integer >= 0 (0: not set) or 'auto' "
+                                f"(got {value!r}).")
         if self.accumulate == "local" and self.stage == 3:
             raise ZeroError("accumulate='local' keeps a full-size gradient buffer per device, "
                             "which stage 3 exists to avoid: use accumulate='reduced' (or 'auto').")
@@ -195,6 +210,36 @@ class ZeroConfig:
                   and self.loss_scale_window >= 1 and self.initial_scale_power >= 0):
             raise ZeroError("fp16 loss scaling needs loss_scale >= 0, min_loss_scale > 0, "
                             "hysteresis >= 1, loss_scale_window >= 1, initial_scale_power >= 0.")
+
+    def for_devices(self, n: int) -> "ZeroConfig":
+        """This config with DeepSpeed's batch arithmetic done for `n` data-parallel devices:
+        train_batch_size = micro_batch_size x gradient_accumulation_steps x n. Any two given
+        ('auto' or 0 = not given; accumulation 1 counts as given unless 'auto') infer the
+        third; a contradiction fails with the numbers."""
+        tb, mb, k = self.train_batch_size, self.micro_batch_size, \
+            self.gradient_accumulation_steps
+        known = lambda v: v not in (0, "auto")
+        if k == "auto":
+            if not (known(tb) and known(mb)):
+                k = 1
+            elif tb % (mb * n):
+                raise ZeroError(f"train_batch_size {tb} is not train_micro_batch_size_per_gpu "
+                                f"{mb} x {n} devices x a whole number of accumulation steps.")
+            else:
+                k = tb // (mb * n)
+        if known(tb) and not known(mb):
+            if tb % (k * n):
+                raise ZeroError(f"train_batch_size {tb} does not divide into "
+                                f"gradient_accumulation_steps {k} x {n} devices.")
+            mb = tb // (k * n)
+        elif known(mb) and not known(tb):
+            tb = mb * k * n
+        elif known(tb) and known(mb) and tb != mb * k * n:
+            raise ZeroError(f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
+                            f"gradient_accumulation_steps {k} x {n} devices ({mb * k * n}).")
+        return dataclasses.replace(self, gradient_accumulation_steps=k,
+                                   train_batch_size=tb if known(tb) else 0,
+                                   micro_batch_size=mb if known(mb) else 0)
 
     @property
     def accumulates_locally(self) -> bool:
@@ -238,6 +283,10 @@ class ZeroConfig:
             except json.JSONDecodeError as e:
                 raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
         return cls(**options_from_deepspeed(data, strict=strict))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 _SCALING = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,

@@ -1,166 +1,294 @@
-"""DeepSpeed JSON keys -> ZeroConfig options.
+"""DeepSpeed JSON -> ZeroConfig options. One table per section says what each key does.
 
-A key either maps to an option that acts, or is refused with a message saying why; nothing is
-accepted and then ignored (strict=False turns refusals of known-but-unsupported keys into one
-loud warning listing them).
+Every DeepSpeed key zerojax knows does exactly one of three things:
+- ACTS: it sets a zerojax option (the entry's `act` says how);
+- IGNORED: accepted, with one warning saying why it means nothing under XLA and what plays its
+  role there;
+- ERROR: refused, saying what is not supported and what to use instead.
+A key DeepSpeed does not have fails, naming its section and the nearest valid key
+(`strict=False` turns that into a warning). HF-style "auto" values take zerojax's default or,
+for the batch keys, are inferred by DeepSpeed's batch arithmetic once the device count is known
+(`ZeroConfig.for_devices`); `explain` reports the value chosen.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-from zerojax.config import ZeroError, nearest
+from zerojax.config import ZeroConfig, ZeroError, nearest
 
-# zero_optimization keys that act, and the ZeroConfig option each sets.
-ZERO_KEYS = {
-    "stage": "stage",
-    "stage3_param_persistence_threshold": "persistence_threshold",
-}
-
-# Offload blocks: device and pin_memory act (ZeroConfig checks them); the rest tune DeepSpeed's
-# own CPU optimizer and NVMe swapper.
-OFFLOAD_BLOCKS = ("offload_optimizer", "offload_param")
-OFFLOAD_TUNING = ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
-                  "nvme_path", "pipeline", "pipeline_read", "pipeline_write")
-
-# DeepSpeed keys zerojax knows but does not implement yet; each is refused with its reason.
-NOT_YET = "not implemented in zerojax yet"
-KNOWN_ZERO_KEYS = {
-    "overlap_comm": NOT_YET, "contiguous_gradients": NOT_YET, "reduce_scatter": NOT_YET,
-    "reduce_bucket_size": NOT_YET, "allgather_bucket_size": NOT_YET,
-    "allgather_partitions": NOT_YET, "round_robin_gradients": NOT_YET,
-    "sub_group_size": NOT_YET,
-    "stage3_model_persistence_threshold": NOT_YET, "stage3_max_live_parameters": NOT_YET,
-    "stage3_max_reuse_distance": NOT_YET, "stage3_gather_16bit_weights_on_model_save": NOT_YET,
-    "stage3_gather_fp16_weights_on_model_save": NOT_YET,
-    "gather_16bit_weights_on_model_save": NOT_YET, "zero_hpz_partition_size": NOT_YET,
-    "zero_quantized_weights": NOT_YET, "zero_quantized_gradients": NOT_YET,
-    "mics_shard_size": NOT_YET, "ignore_unused_parameters": NOT_YET,
-    "elastic_checkpoint": NOT_YET, "load_from_fp32_weights": NOT_YET,
-}
-# Top-level keys that act: handled by _top_level below.
-TOP_KEYS = ("fp16", "bf16", "gradient_accumulation_steps", "gradient_clipping",
-            "communication_data_type", "data_types")
-FP16_KEYS = {"loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
-             "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
-             "min_loss_scale": "min_loss_scale"}
-KNOWN_TOP_KEYS = {
-    "train_batch_size": NOT_YET, "train_micro_batch_size_per_gpu": NOT_YET,
-    "wall_clock_breakdown": NOT_YET, "memory_breakdown": NOT_YET,
-    "steps_per_print": NOT_YET, "zero_allow_untested_optimizer": NOT_YET,
-    "optimizer": "zerojax takes the optimizer from your optax code, not from the config",
-    "scheduler": "zerojax takes the schedule from your optax code, not from the config",
-}
-
-
-def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict:
-    """ZeroConfig keyword arguments for a DeepSpeed config dict."""
-    if not isinstance(data, Mapping):
-        raise ZeroError(f"a DeepSpeed config is a JSON object; got {type(data).__name__}.")
-    options, refused = {}, []
-    for key, value in data.items():
-        if key == "zero_optimization":
-            continue
-        if key in TOP_KEYS:
-            options.update(_top_level(key, value, refused))
-        elif key in KNOWN_TOP_KEYS:
-            refused.append((key, KNOWN_TOP_KEYS[key]))
-        else:
-            raise ZeroError(f"unknown DeepSpeed config key {key!r}"
-                              f"{nearest(key, [*TOP_KEYS, *KNOWN_TOP_KEYS, 'zero_optimization'])}.")
-    if data.get("fp16", {}).get("enabled") and data.get("bf16", {}).get("enabled"):
-        raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
-    zero = data.get("zero_optimization", {})
-    if isinstance(zero, bool):  # legacy form: "zero_optimization": true means stage 1
-        zero = {"stage": 1 if zero else 0}
-    if not isinstance(zero, Mapping):
-        raise ZeroError("zero_optimization must be an object such as {\"stage\": 3}.")
-    for key, value in zero.items():
-        if key in ZERO_KEYS:
-            options[ZERO_KEYS[key]] = _number(f"zero_optimization.{key}", value)
-        elif key in OFFLOAD_BLOCKS:
-            options[key] = _offload(f"zero_optimization.{key}", value, refused)
-        elif key == "stage3_prefetch_bucket_size":   # zerojax prefetches whole layers: 0 or 1
-            options["prefetch"] = int(_number(f"zero_optimization.{key}", value) > 0)
-        elif key in KNOWN_ZERO_KEYS:
-            refused.append((f"zero_optimization.{key}", KNOWN_ZERO_KEYS[key]))
-        else:
-            raise ZeroError(f"unknown key zero_optimization.{key!r}"
-                              f"{nearest(key, [*ZERO_KEYS, *KNOWN_ZERO_KEYS])}.")
-    if refused:
-        lines = "\n".join(f"  {k}: {why}" for k, why in refused)
-        if strict:
-            raise ZeroError("these DeepSpeed keys cannot be honoured:\n" + lines +
-                              "\nremove them, or pass strict=False to proceed without them.")
-        warnings.warn("zerojax proceeds WITHOUT these DeepSpeed keys:\n" + lines, stacklevel=3)
-    return options
-
-
+ACTS, IGNORED, ERROR = "acts", "ignored", "error"
+AUTO = "auto"
 DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
                "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
 
 
-def _top_level(key: str, value, refused: list) -> dict:
-    """ZeroConfig options for one of TOP_KEYS."""
-    if key in ("fp16", "bf16"):
-        if not isinstance(value, Mapping):
-            raise ZeroError(f"{key} must be an object such as {{\"enabled\": true}}.")
-        allowed = ["enabled", *(FP16_KEYS if key == "fp16" else ())]
-        out = {}
-        for sub, v in value.items():
-            if sub in allowed[1:]:
-                out[FP16_KEYS[sub]] = float(v) if sub in ("loss_scale", "min_loss_scale") \
-                    else _number(f"fp16.{sub}", v)
-            elif sub == "enabled":
-                continue
-            elif sub in ("consecutive_hysteresis", "auto_cast", "immediate_grad_update",
-                         "check_grad_overflow"):
-                if v:
-                    refused.append((f"{key}.{sub}", NOT_YET))
-            else:
-                raise ZeroError(f"unknown key {key}.{sub!r}{nearest(sub, allowed)}.")
-        if not value.get("enabled", False):
-            if any(k in FP16_KEYS for k in value):
-                raise ZeroError(f"{key} sets loss-scaling keys but is not enabled.")
-            return {}
-        return {"precision": key, **out}
-    if key == "gradient_accumulation_steps":
-        return {"gradient_accumulation_steps": _number(key, value)}
-    if key == "gradient_clipping":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ZeroError(f"gradient_clipping must be a number; got {value!r}.")
-        return {"gradient_clipping": float(value)}
-    if key == "communication_data_type":
-        return {"grad_reduce_dtype": _dtype(key, value)}
-    if not isinstance(value, Mapping):   # data_types
-        raise ZeroError("data_types must be an object such as {\"grad_accum_dtype\": \"fp32\"}.")
-    out = {}
-    for sub, v in value.items():
-        if sub != "grad_accum_dtype":
-            raise ZeroError(f"unknown key data_types.{sub!r}{nearest(sub, ['grad_accum_dtype'])}.")
-        out["grad_accum_dtype"] = _dtype(f"data_types.{sub}", v)
-    return out
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """What one DeepSpeed key does: `kind` (ACTS / IGNORED / ERROR), `why` (for ACTS the
+    option it sets; otherwise the reason shown to the user) and, for ACTS, `act(name, value)`
+    returning the options it sets."""
+    kind: str
+    why: str
+    act: Callable[[str, Any], dict] | None = None
 
 
-def _offload(name: str, value, refused: list) -> dict:
-    """An offload block with DeepSpeed's tuning keys set aside (refused if set)."""
-    if not isinstance(value, Mapping):
-        raise ZeroError(f"{name} must be an object such as {{\"device\": \"cpu\"}}.")
-    for sub in value:
-        if sub in OFFLOAD_TUNING:
-            refused.append((f"{name}.{sub}", "tunes DeepSpeed's CPU optimizer / NVMe swapper; "
-                            "zerojax offloads through XLA's host memory copies"))
-    return {k: v for k, v in value.items() if k not in OFFLOAD_TUNING}
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One line of `explain`: a key, what zerojax does with it, and the value it uses."""
+    key: str
+    kind: str
+    what: str
 
 
-def _dtype(name: str, value) -> str:
-    if value not in DTYPE_NAMES:
+# ---- value readers: each names the key it reads in its error ---------------------------------
+def _whole(name, value, low=0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
+            or value < low:
+        raise ZeroError(f"{name} must be a whole number >= {low}; got {value!r}.")
+    return int(value)
+
+
+def _real(name, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ZeroError(f"{name} must be a number >= 0; got {value!r}.")
+    return float(value)
+
+
+def _flag(name, value) -> bool:
+    if not isinstance(value, bool):
+        raise ZeroError(f"{name} must be true or false; got {value!r}.")
+    return value
+
+
+def _dtype(name, value) -> str:
+    if not isinstance(value, str) or value not in DTYPE_NAMES:
         raise ZeroError(f"{name} must be one of fp32, fp16, bf16; got {value!r}"
                         f"{nearest(str(value), DTYPE_NAMES)}.")
     return DTYPE_NAMES[value]
 
 
-def _number(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ZeroError(f"{name} must be a whole number; got {value!r}.")
-    return int(value)
+def _sets(option: str, read: Callable) -> Callable:
+    """An `act` that sets `option` from the value read by `read(name, value)`."""
+    return lambda name, value: {option: read(name, value)}
+
+
+def _batch(option: str) -> Key:
+    return Key(ACTS, option, lambda name, value: {
+        option: AUTO if value == AUTO else _whole(name, value, low=1)})
+
+
+def _ignored(reason: str) -> Key:
+    return Key(IGNORED, reason)
+
+
+def _off_only(reason: str) -> Key:
+    """A feature zerojax lacks: false (or {"enabled": false}) is accepted, on is an error."""
+    def act(name, value):
+        on = value.get("enabled", False) if isinstance(value, Mapping) else value
+        if _flag(name, on):
+            raise ZeroError(f"{name}: {reason}.")
+        return {}
+    return Key(ACTS, f"only false / disabled: {reason}", act)
+
+
+XLA_COMBINES = ("XLA combines collectives by its own size thresholds (e.g. "
+                "--xla_gpu_all_gather_combine_threshold_bytes)")
+FP16 = {
+    "loss_scale": Key(ACTS, "loss_scale", _sets("loss_scale", _real)),
+    "initial_scale_power": Key(ACTS, "initial_scale_power", _sets("initial_scale_power", _whole)),
+    "loss_scale_window": Key(ACTS, "loss_scale_window",
+                             _sets("loss_scale_window", lambda n, v: _whole(n, v, 1))),
+    "hysteresis": Key(ACTS, "hysteresis", _sets("hysteresis", lambda n, v: _whole(n, v, 1))),
+    "min_loss_scale": Key(ACTS, "min_loss_scale", _sets("min_loss_scale", _real)),
+    "consecutive_hysteresis": _off_only("not implemented: zerojax's hysteresis counts all "
+                                        "overflows since the last drop, DeepSpeed's default"),
+    "auto_cast": _ignored("zerojax casts parameters to the compute dtype where the model uses "
+                          "them; inputs keep the dtype you pass"),
+    "fp16_master_weights_and_grads": _off_only("not supported: master weights are fp32"),
+}
+BF16 = {"immediate_grad_update": _ignored("gradients are applied in one XLA program"),
+        "check_grad_overflow": _ignored("bf16 has fp32's range; no overflow check is needed"),
+        "bf16_master_weights_and_grads": _off_only("not supported: master weights are fp32")}
+OFFLOAD = {
+    "device": Key(ACTS, "offload_* device ('cpu' or 'none')"),
+    "pin_memory": Key(ACTS, "pinned host memory (only true is supported)"),
+    **{k: _ignored("tunes DeepSpeed's own CPU optimizer / NVMe swapper; zerojax offloads "
+                   "through XLA's host memory copies")
+       for k in ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
+                 "pipeline", "pipeline_read", "pipeline_write")},
+    "nvme_path": Key(ERROR, "NVMe offload is not supported (JAX has no NVMe memory kind); use "
+                     "device 'cpu'"),
+}
+_GATHER_ON_SAVE = _ignored("`zerojax checkpoint export` writes consolidated weights from any "
+                           "checkpoint, no gather at save time")
+ZERO_OPTIMIZATION = {
+    "stage": Key(ACTS, "stage", _sets("stage", _whole)),
+    "stage3_param_persistence_threshold": Key(
+        ACTS, "persistence_threshold", _sets("persistence_threshold", _whole)),
+    "stage3_prefetch_bucket_size": Key(ACTS, "prefetch (0 -> 0; otherwise one layer ahead)",
+                                       lambda n, v: {"prefetch": int(_whole(n, v) > 0)}),
+    "offload_optimizer": Key(ACTS, "offload_optimizer"),
+    "offload_param": Key(ACTS, "offload_param"),
+    "cpu_offload": Key(ACTS, "offload_optimizer (DeepSpeed's legacy flag)",
+                       lambda n, v: {"offload_optimizer": "cpu" if _flag(n, v) else "none"}),
+    "overlap_comm": _ignored("XLA's latency-hiding scheduler overlaps collectives with compute "
+                             "(zerojax sets it on by default, see zerojax.xla_flags)"),
+    "contiguous_gradients": _ignored("XLA plans gradient buffers itself"),
+    "reduce_scatter": _ignored("zerojax always reduce-scatters gradients at stages 2-3"),
+    "reduce_bucket_size": _ignored(XLA_COMBINES),
+    "allgather_bucket_size": _ignored(XLA_COMBINES),
+    "allgather_partitions": _ignored("stages 1-2 always all-gather the updated parameters"),
+    "round_robin_gradients": _ignored("gradient placement is a sharding; there is no "
+                                      "per-rank gradient copy order to balance"),
+    "sub_group_size": _ignored("the optimizer update is one XLA program, not groups of "
+                               "flattened tensors"),
+    "stage3_model_persistence_threshold": _ignored(
+        "only the per-leaf stage3_param_persistence_threshold applies"),
+    "stage3_max_live_parameters": _ignored("gather_on_use with prefetch bounds gathered "
+                                           "weights to about two layers"),
+    "stage3_max_reuse_distance": _ignored("each layer is re-gathered in backward"),
+    "stage3_gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
+    "stage3_gather_fp16_weights_on_model_save": _GATHER_ON_SAVE,
+    "gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
+    "zero_hpz_partition_size": Key(ERROR, "ZeRO++ hpZ is not implemented yet (ZeRO++ issue)"),
+    "zero_quantized_weights": Key(ERROR, "ZeRO++ qwZ is not implemented yet (ZeRO++ issue)"),
+    "zero_quantized_gradients": Key(ERROR, "ZeRO++ qgZ is not implemented yet (ZeRO++ issue)"),
+    "mics_shard_size": Key(ERROR, "MiCS is not supported; shard over a sub-mesh axis instead"),
+    "ignore_unused_parameters": _ignored("JAX gives unused parameters zero gradients"),
+    "elastic_checkpoint": _ignored("zerojax checkpoints restore onto any device count"),
+    "load_from_fp32_weights": _ignored("restores always use the fp32 master weights"),
+}
+TOP_LEVEL = {
+    "zero_optimization": Key(ACTS, "its keys, below (or the legacy true: stage 1)"),
+    "fp16": Key(ACTS, "precision='fp16' and its loss scaling"),
+    "bf16": Key(ACTS, "precision='bf16'"),
+    "bfloat16": Key(ACTS, "precision='bf16' (DeepSpeed's alias of bf16)"),
+    "train_batch_size": _batch("train_batch_size"),
+    "train_micro_batch_size_per_gpu": _batch("micro_batch_size"),
+    "gradient_accumulation_steps": _batch("gradient_accumulation_steps"),
+    "gradient_clipping": Key(ACTS, "gradient_clipping", lambda n, v: {
+        "gradient_clipping": 0.0 if v == AUTO else _real(n, v)}),
+    "communication_data_type": Key(ACTS, "grad_reduce_dtype",
+                                   _sets("grad_reduce_dtype", _dtype)),
+    "data_types": Key(ACTS, "grad_accum_dtype"),
+    "wall_clock_breakdown": _ignored("zero.report(...) and the JAX profiler show where time goes"),
+    "memory_breakdown": _ignored("zero.report(...) shows memory by category"),
+    "steps_per_print": _ignored("your train loop decides what to print"),
+    "zero_allow_untested_optimizer": _ignored("every optax optimizer is supported"),
+    "prescale_gradients": _ignored("gradients are summed in fp32 by default, then averaged"),
+    "gradient_predivide_factor": _ignored("gradients are summed in fp32 by default, then "
+                                          "averaged"),
+    "optimizer": Key(ERROR, "zerojax takes the optimizer from your optax code (state.tx)"),
+    "scheduler": Key(ERROR, "zerojax takes the schedule from your optax code"),
+    "amp": _off_only("apex AMP is not supported; use the bf16 or fp16 block"),
+}
+
+
+def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
+    """(a Row per key, the ZeroConfig options, names of unknown keys) for a DeepSpeed dict.
+    Raises ZeroError for values that cannot be read and for ERROR keys."""
+    if not isinstance(data, Mapping):
+        raise ZeroError(f"a DeepSpeed config is a JSON object; got {type(data).__name__}.")
+    rows, options, unknown = [], {}, []
+
+    def walk(section: Mapping, table: dict, prefix: str, handle: Callable | None = None):
+        for key, value in section.items():
+            name = f"{prefix}{key}"
+            entry = table.get(key)
+            if entry is None:
+                unknown.append(f"unknown DeepSpeed key {name!r}{nearest(str(key), table)}")
+                continue
+            if entry.kind == ERROR:
+                raise ZeroError(f"{name}: {entry.why}.")
+            if entry.kind == IGNORED:
+                rows.append(Row(name, IGNORED, entry.why))
+                continue
+            sets = handle(key, name, value) if handle else entry.act(name, value)
+            options.update(sets)
+            what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or \
+                ("(its keys: above)" if isinstance(value, Mapping) else "(read with its block)")
+            rows.append(Row(name, ACTS, what + (" (from 'auto')" if value == AUTO else "")))
+
+    def top(key, name, value):
+        if key == "zero_optimization":
+            if isinstance(value, bool):        # legacy form: true means stage 1
+                return {"stage": 1 if value else 0}
+            _section(name, value)
+            walk(value, ZERO_OPTIMIZATION, name + ".", zero)
+            return {}
+        if key in ("fp16", "bf16", "bfloat16"):
+            return _precision(key, name, value, rows, options, walk)
+        if key == "data_types":
+            _section(name, value)
+            out = {}
+            for sub, v in value.items():
+                if sub != "grad_accum_dtype":
+                    unknown.append(f"unknown DeepSpeed key {name}.{sub!r}"
+                                   f"{nearest(sub, ['grad_accum_dtype'])}")
+                else:
+                    out["grad_accum_dtype"] = _dtype(f"{name}.{sub}", v)
+            return out
+        return TOP_LEVEL[key].act(name, value)
+
+    def zero(key, name, value):
+        if key in ("offload_optimizer", "offload_param"):
+            _section(name, value)
+            walk(value, OFFLOAD, name + ".", lambda k, n, v: {})
+            kept = {k: v for k, v in value.items() if k in ("device", "pin_memory")}
+            return {key: kept}
+        entry = ZERO_OPTIMIZATION[key]
+        if value == AUTO:                      # HF's "auto": zerojax's default, reported
+            option = entry.why.split()[0]
+            return {option: getattr(ZeroConfig(), option)} if hasattr(ZeroConfig, option) \
+                else {}
+        return entry.act(name, value)
+
+    walk(data, TOP_LEVEL, "", top)
+    if "train_batch_size" in options and "micro_batch_size" in options and \
+            "gradient_accumulation_steps" not in options:
+        options["gradient_accumulation_steps"] = AUTO   # DeepSpeed infers it from the two
+    return rows, options, unknown
+
+
+def _section(name, value):
+    if not isinstance(value, Mapping):
+        raise ZeroError(f"{name} must be an object such as {{...}}; got {value!r}.")
+
+
+def _precision(key, name, value, rows, options, walk) -> dict:
+    """The fp16 / bf16 block: enabled (true, false or "auto" = zerojax's default, off)."""
+    _section(name, value)
+    enabled = value.get("enabled", False)
+    if enabled != AUTO:
+        _flag(f"{name}.enabled", enabled)
+    rest = {k: v for k, v in value.items() if k != "enabled"}
+    table = FP16 if key == "fp16" else BF16
+    if enabled is True:
+        walk(rest, table, name + ".")
+        precision = "fp16" if key == "fp16" else "bf16"
+        if options.get("precision", precision) != precision:
+            raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
+        return {"precision": precision}
+    scaling = [k for k in rest if table.get(k) and table[k].kind == ACTS]
+    if scaling:
+        raise ZeroError(f"{name} sets {', '.join(scaling)} but is not enabled.")
+    walk(rest, table, name + ".")
+    return {}
+
+
+def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict:
+    """ZeroConfig keyword arguments for a DeepSpeed config dict: IGNORED keys warn once (one
+    warning listing them all), unknown keys fail (strict) or warn."""
+    rows, options, unknown = explain(data)
+    if unknown:
+        if strict:
+            raise ZeroError("; ".join(unknown) + " (ZeroConfig.from_json(..., strict=False) "
+                            "proceeds without them).")
+        warnings.warn("zerojax proceeds WITHOUT these keys: " + "; ".join(unknown), stacklevel=3)
+    ignored = [r for r in rows if r.kind == IGNORED]
+    if ignored:
+        warnings.warn("zerojax accepts these DeepSpeed keys but they have no effect here:\n" +
+                      "\n".join(f"  {r.key}: {r.what}" for r in ignored), stacklevel=3)
+    return options

@@ -32,12 +32,12 @@ class ZeroShard:
     """Sharding rules for one mesh and config, and the decorator that applies them to a step."""
 
     def __init__(self, config: ZeroConfig, mesh=None):
-        self.config = config
         self.mesh = make_mesh(axis=config.axis) if mesh is None else mesh
         if config.axis not in self.mesh.axis_names:
             raise ZeroError(f"the mesh has axes {self.mesh.axis_names}, not the config's axis "
                               f"{config.axis!r}; pass axis= to match the mesh.")
         self.axis_size = self.mesh.shape[config.axis]
+        self.config = config.for_devices(self.axis_size)   # batch sizes and 'auto' resolved
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
@@ -100,6 +100,12 @@ class ZeroShard:
             abstract = isinstance(leaf, jax.ShapeDtypeStruct)   # always the global batch
             rows = np.shape(leaf)[0] * (jax.process_count() if multiprocess and not abstract
                                         else 1) if np.ndim(leaf) else 0
+            micro = self.config.micro_batch_size
+            if micro and np.ndim(leaf) and rows != micro * self.axis_size:
+                raise ZeroError(
+                    f"batch leaf {path_str(path) or '(root)'} has {rows} rows, but the config "
+                    f"says train_micro_batch_size_per_gpu {micro} x {self.axis_size} devices = "
+                    f"{micro * self.axis_size} per call of the step.")
             if rows % self.axis_size:
                 raise ZeroError(
                     f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
