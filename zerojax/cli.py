@@ -4,6 +4,7 @@
     zerojax checkpoint info DIR
     zerojax checkpoint export DIR --dtype bf16 --out model.safetensors
     zerojax config explain ds_config.json
+    zerojax launch -n 2 --devices-per-process 4 -- python examples/pretrain_lm.py
 
 `plan` compiles the example LM's train step ahead of time for N simulated devices (nothing is
 allocated; `zero.eval_shape`) and prints, per ZeRO stage, the per-device bytes at rest and at
@@ -230,14 +231,31 @@ def config(args) -> int:
     return 2 if unknown else 0
 
 
+def launch_parser(sub) -> None:
+    p = sub.add_parser("launch", help="run a script as P local processes (jax.distributed)")
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("--devices-per-process", type=int,
+                   help="simulated CPU devices per process (XLA_FLAGS)")
+    p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python script.py ...")
+
+
+def launch(args) -> int:
+    from zerojax.launch import launch as run
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    return run(args.num_processes, cmd, args.devices_per_process, args.port)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="zerojax", description="zerojax command line")
     sub = parser.add_subparsers(dest="command", required=True)
     plan_parser(sub)
     checkpoint_parser(sub)
     config_parser(sub)
+    launch_parser(sub)
     args = parser.parse_args(argv)
-    return {"plan": plan, "checkpoint": checkpoint, "config": config}[args.command](args)
+    return {"plan": plan, "checkpoint": checkpoint, "config": config,
+            "launch": launch}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One prepared run for a single-GPU machine (an H200 here): about 15 minutes in all.
+# Checks the GPU backend, then tokens/s and MFU of the example LM for presets at stage 0 and
+# stage 3 (bf16), then the largest preset that trains with offload_optimizer, as one table.
+# Not used by tests or CI.   Usage: bash bench/gpu.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-${OUT:-/tmp/zerojax-gpu}}"
+mkdir -p "$OUT"
+python - <<'PY' || { echo "no GPU backend in this jax: install jax[cuda12] first"; exit 2; }
+import jax
+assert jax.devices()[0].platform == "gpu", jax.devices()
+print("devices:", jax.devices(), "| kind:", jax.devices()[0].device_kind)
+PY
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+
+run() {  # name, then pretrain_lm arguments; prints one table row from its metrics.jsonl
+  local name="$1"; shift
+  local dir="$OUT/$name"
+  rm -rf "$dir"
+  if timeout 300 python examples/pretrain_lm.py --no-progress --sample-len 0 --eval-every 0 \
+        --log-dir "$dir" "$@" > "$dir.log" 2>&1; then
+    python - "$dir" "$name" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1] + "/metrics.jsonl") if '"loss"' in l][5:]
+tps = statistics.median(r["tokens_per_s"] for r in rows)
+mfu = statistics.median(r.get("mfu", float("nan")) for r in rows)
+print(f"{sys.argv[2]:<34} {tps:>12,.0f} tok/s   MFU {100 * mfu:5.1f}%   loss {rows[-1]['loss']:.3f}")
+PY
+  else
+    echo "$name: failed or out of memory (see $dir.log)"; tail -3 "$dir.log"
+  fi
+}
+
+echo "config                              tokens/s        MFU         last loss"
+for preset in 125m 350m 1.3b; do
+  for stage in 0 3; do
+    run "$preset stage $stage bf16" --preset "$preset" --stage "$stage" --precision bf16 \
+      --steps 25 --batch-size 8 --seq-len 1024
+  done
+done
+for preset in 7b 1.3b; do   # the largest that trains with the optimizer state offloaded
+  if run "$preset stage 3 bf16 offload_optimizer" --config configs/zero3_offload.json \
+      --preset "$preset" --steps 12 --batch-size 1 --seq-len 1024 | tee "$OUT/offload.txt" \
+      && ! grep -q failed "$OUT/offload.txt"; then
+    break
+  fi
+done
