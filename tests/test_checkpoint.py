@@ -149,6 +149,10 @@ def test_sigkill_at_random_moments_then_resume_bitwise(tmp_path):
     assert _losses(tmp_path / "run.txt") == _losses(tmp_path / "ref.txt")    # bitwise
     leftovers = [d for d in os.listdir(tmp_path / "run") if not d.isdigit()]
     assert not [d for d in leftovers if "tmp" in d], leftovers    # partial saves cleaned up
+    zero = zj.zero_shard(**ZERO)                 # and the final states are bitwise the same
+    final = [_host(canonical_tree(zj.CheckpointManager(tmp_path / d, zero).restore(ABSTRACT)[0]))
+             for d in ("run", "ref")]
+    _assert_equal(*final)
 
 
 def test_sigterm_makes_a_final_save_and_stops(tmp_path):

@@ -107,12 +107,12 @@ class CheckpointManager:
             options=ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
             cleanup_tmp_directories=True, enable_async_checkpointing=async_save))
-        self.preempted = False
+        self._sigterm, self._unsaved = False, None
         if save_on_preemption:
             previous = signal.getsignal(signal.SIGTERM)
 
             def on_sigterm(signum, frame):
-                self.preempted = True      # the next save() saves, waits, and says so
+                self._sigterm = True    # save() and `preempted` then save and wait
                 if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
                     previous(signum, frame)
             signal.signal(signal.SIGTERM, on_sigterm)
@@ -121,13 +121,31 @@ class CheckpointManager:
         """Start saving `state` (and JSON-able `extra`) as `step` if the interval says so, or
         `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
-        force = force or self.preempted
-        saved = self._mgr.save(int(step), force=force, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(canonical_tree(state)),
-            extra=ocp.args.JsonSave(dict(extra or {}))))
-        if self.preempted:
-            self._mgr.wait_until_finished()
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(canonical_tree(state)),
+                                  extra=ocp.args.JsonSave(dict(extra or {})))
+        saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
+        self._unsaved = None if saved else (int(step), args)
+        self._finish_preemption()
         return saved
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (with save_on_preemption). Reading it then also makes sure
+        the step last offered to save() is on disk, even if the signal came just after that
+        save() decided not to save: check it right after save(), then stop."""
+        self._finish_preemption()
+        return self._sigterm
+
+    def _finish_preemption(self):
+        """After SIGTERM: save the last offered step if it was not saved, and wait for it."""
+        if not self._sigterm:
+            return
+        if self._unsaved is not None:
+            step, args = self._unsaved
+            self._unsaved = None
+            if step not in self._mgr.all_steps():
+                self._mgr.save(step, force=True, args=args)
+        self._mgr.wait_until_finished()
 
     def restore(self, target, step: int | None = None):
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or

@@ -115,6 +115,13 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     """Clip the (accumulated, unscaled) gradient to this global L2 norm; 0 turns it off."""
 
+    on_nonfinite: str = "off"
+    """What a NaN or inf in the (accumulated) gradient does. 'skip': the update is not applied
+    (parameters, optimizer state and step count stay) and the next call warns with the step
+    number; 'stop': the same, then the next call raises ZeroError (a checkpoint saved after
+    the bad step holds the unchanged, last good state). 'off': no check, like DeepSpeed
+    without fp16; fp16 always skips overflowing steps (loss scaling)."""
+
     # ---- host offload (DeepSpeed's `offload_optimizer` / `offload_param`) ---------------------
     offload_optimizer: Any = "none"
     """'cpu' (or DeepSpeed's {"device": "cpu", "pin_memory": true}): optimizer state and fp32
@@ -185,6 +192,7 @@ class ZeroConfig:
         _choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
         _choice("grad_accum_dtype", self.grad_accum_dtype, ("fp32", "bf16", "fp16"))
         _choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
+        _choice("on_nonfinite", self.on_nonfinite, ("off", "skip", "stop"))
         if self.gradient_accumulation_steps != "auto" and (
                 not _is_int(self.gradient_accumulation_steps)
                 or self.gradient_accumulation_steps < 1):
@@ -251,7 +259,8 @@ class ZeroConfig:
     def manages_update(self) -> bool:
         """Whether zerojax takes over the update (master weights, scaling, accumulation, clip)."""
         return (self.precision != "fp32" or self.gradient_accumulation_steps > 1
-                or self.gradient_clipping > 0 or self.offload_update == "host")
+                or self.gradient_clipping > 0 or self.offload_update == "host"
+                or self.on_nonfinite != "off")
 
     @classmethod
     def option_names(cls) -> list[str]:

@@ -91,6 +91,13 @@ class ZeroShard:
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
         multi-process run each process passes its own slice of the global batch."""
         multiprocess = jax.process_count() > 1
+        leading = {path_str(p) or "(root)": np.shape(x)[0]
+                   for p, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x)}
+        if len(set(leading.values())) > 1:
+            raise ZeroError(f"batch leaves have different leading dimensions ({leading}): "
+                            "zerojax splits every batch leaf on its first dimension, so all "
+                            "need the batch first and the same number of rows.")
+
         def place(path, leaf):
             if not hasattr(leaf, "shape"):
                 leaf = np.asarray(leaf)

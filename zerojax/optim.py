@@ -145,7 +145,8 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
     if k > 1:
         grads = jax.tree_util.tree_map(lambda g: g / k, grads)
     norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(norm) if cfg.precision == "fp16" else jnp.asarray(True)
+    checks = cfg.precision == "fp16" or cfg.on_nonfinite != "off"
+    finite = jnp.isfinite(norm) if checks else jnp.asarray(True)
     if cfg.gradient_clipping > 0:
         grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
             grads, optax.EmptyState())
@@ -157,7 +158,7 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
 
     if run_optimizer is not None:
         new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)
-    elif cfg.precision == "fp16":   # an overflowing step changes nothing but the loss scale
+    elif checks:      # a non-finite step changes nothing (fp16: but the loss scale)
         new_master, inner = jax.lax.cond(finite, update, lambda m, i: (m, i), master, opt.inner)
     else:
         new_master, inner = update(master, opt.inner)

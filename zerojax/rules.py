@@ -93,6 +93,10 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int) -> tuple[object, list[Lea
     """Storage PartitionSpecs for every leaf of `state` (a pytree of arrays or ShapeDtypeStructs)
     and the per-leaf plan. The state must hold its parameters under a `params` field or key."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    params = state.get(PARAMS) if isinstance(state, dict) else getattr(state, PARAMS, None)
+    if params is not None and not jax.tree_util.tree_leaves(params):
+        raise ZeroError("the state's `params` holds no arrays: there is nothing to train or "
+                        "shard (did the model's init return empty variables?).")
     if not any(category_of(p) == PARAMS for p, _ in leaves):
         raise ZeroError(
             f"the state ({type(state).__name__}) has no `params`: zerojax needs the parameters "

@@ -38,11 +38,13 @@ class ZeroStep:
         self.used_explicit_collectives = None  # known after the first trace
         self._warned = False
         self._last_state, self._next_micro, self._min_scale_flag = None, 0, None
+        self._nonfinite_flag = None   # (skipped?, step, skipped so far) of the last update
         functools.update_wrapper(self, fn)
 
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, state, batch, *extra):
         self._raise_if_scale_exhausted()
+        self.check()
         micro_index = self._micro_index(state)
         jitted, shardings, batch = self._prepare(state, batch, extra, self._is_micro(micro_index))
         _check_placed(state, shardings)
@@ -54,7 +56,27 @@ class ZeroStep:
         if self.zero.config.precision == "fp16" and not self.zero.config.loss_scale:
             self._min_scale_flag = (new_state.opt_state.overflow_at_min_scale,
                                     new_state.opt_state.scale)
+        if self.zero.config.on_nonfinite != "off" and not self._is_micro(micro_index):
+            opt = new_state.opt_state
+            self._nonfinite_flag = (opt.last_skipped, new_state.step, opt.skipped)
         return out
+
+    def check(self):
+        """Report a non-finite gradient in the last optimizer step (read lazily, at the next
+        call, so steps still queue asynchronously): on_nonfinite='skip' warns with the step
+        number, 'stop' raises ZeroError."""
+        if self._nonfinite_flag is None:
+            return
+        (skipped, step, total), self._nonfinite_flag = self._nonfinite_flag, None
+        if not bool(skipped):
+            return
+        message = (f"non-finite gradients (NaN or inf) at step {int(step)}: the update was not "
+                   "applied")
+        if self.zero.config.on_nonfinite == "stop":
+            raise ZeroError(f"{message}; stopping (on_nonfinite='stop'). The state that call "
+                            "returned is the last good one, unchanged by the bad step.")
+        warnings.warn(f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').",
+                      stacklevel=3)
 
     def lower(self, state, batch, *extra, micro: bool = False):
         """Lower the optimizer-step variant (or, with micro=True, the accumulate-only one)."""
