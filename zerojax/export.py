@@ -85,7 +85,7 @@ def _read_leaf(path, keys, meta, dtype):
             item=item, restore_args=restore_args, partial_restore=True))
     for k in keys:
         out = out[k]
-    return np.asarray(out).astype(dtype)
+    return np.ascontiguousarray(np.asarray(out).astype(dtype, copy=False))
 
 
 def export(directory, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
@@ -122,8 +122,8 @@ def _write_safetensors(f, params, path, dtype, step):
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)            # the data starts 8-byte aligned
     f.write(struct.pack("<Q", len(text)) + text)
-    for keys, meta in params:
-        f.write(_read_leaf(path, ("params", *keys), meta, dtype).tobytes(order="C"))
+    for keys, meta in params:        # written from the array's own buffer: no extra copy
+        f.write(_read_leaf(path, ("params", *keys), meta, dtype).reshape(-1).view(np.uint8).data)
 
 
 def _write_msgpack(f, params, path, dtype):
