@@ -4,7 +4,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 
 import zerojax as zj
+from zerojax.launch import free_port
 from zerojax.checkpoint import canonical_tree
 from zerojax.export import export, info
 
@@ -165,14 +165,9 @@ def test_sigterm_makes_a_final_save_and_stops(tmp_path):
     assert zj.CheckpointManager(tmp_path / "run", zj.zero_shard(**ZERO)).latest_step() == stopped
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_two_processes_save_one_process_restores(tmp_path):
-    port, steps = _free_port(), 3
+    port, steps = free_port(), 3
     procs = [_worker(tmp_path / "mp", tmp_path / f"mp{i}.txt", steps, "--mp", i, port)
              for i in range(2)]
     for p in procs:

@@ -1,7 +1,6 @@
 """2 processes x 4 devices (jax.distributed, gloo on 127.0.0.1) train exactly like
 1 process x 8 devices, every stage, each process feeding only its slice of the batch."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,21 +10,17 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax.launch import free_port
 from common import batches, train_zero
 
 STEPS = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def two_process_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mp") / "results.npz")
-    port = _free_port()
+    port = free_port()
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), out, str(STEPS)],

@@ -2,7 +2,6 @@
 caught by option; bad input fails at once; runs are deterministic."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import optax
 import pytest
 
 import zerojax as zj
+from zerojax.launch import free_port
 from common import batches, make_init, train_step, train_zero
 
 PEER = """
@@ -32,11 +32,6 @@ while True:
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _env(rank, port, **extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -46,7 +41,7 @@ def _env(rank, port, **extra):
 
 
 def test_a_dead_peer_ends_the_survivor_with_a_message(tmp_path):
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", PEER], env=_env(r, port),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
@@ -63,7 +58,7 @@ def test_a_dead_peer_ends_the_survivor_with_a_message(tmp_path):
 def test_an_unreachable_coordinator_is_a_clear_error():
     t = time.time()
     out = subprocess.run([sys.executable, "-c", PEER], capture_output=True, text=True,
-                         env=_env(1, _free_port(), ZEROJAX_INIT_TIMEOUT="3"), timeout=120)
+                         env=_env(1, free_port(), ZEROJAX_INIT_TIMEOUT="3"), timeout=120)
     assert out.returncode != 0 and time.time() - t < 30
     assert "could not reach the coordinator 127.0.0.1:" in out.stderr
 

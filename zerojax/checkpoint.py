@@ -32,14 +32,14 @@ SCALER_FIELDS = ("scale", "good_steps", "hysteresis", "skipped", "last_skipped",
 def _canonical_paths(state) -> list:
     """[(canonical key tuple or None, leaf)] for every leaf of `state` (None: not saved)."""
     out = []
+    zero_opt = isinstance(getattr(state, "opt_state", None), ZeroOptState)
+    has_master = zero_opt and present(state.opt_state.master)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = tuple(key_name(k) for k in path)
         head = names[0] if names else ""
         if head == PARAMS:
-            managed = isinstance(getattr(state, "opt_state", None), ZeroOptState) and \
-                present(state.opt_state.master)
-            out.append((None if managed else names, leaf))   # the master is the truth
-        elif head == OPT_STATE and isinstance(getattr(state, "opt_state", None), ZeroOptState):
+            out.append((None if has_master else names, leaf))   # the master is the truth
+        elif head == OPT_STATE and zero_opt:
             field = names[1]
             if field == "master":
                 out.append(((PARAMS, *names[2:]), leaf))
@@ -82,9 +82,10 @@ def _is_key(x) -> bool:
 def canonical_tree(state) -> dict:
     """The nested dict of arrays a checkpoint stores for `state` (typed RNG keys as key data)."""
     micro = getattr(getattr(state, "opt_state", None), "micro", None)
-    if micro is not None and int(jax.device_get(micro)) != 0:
+    micro = 0 if micro is None else int(jax.device_get(micro))
+    if micro:
         raise ZeroError(f"cannot checkpoint in the middle of gradient accumulation (micro-step "
-                        f"{int(jax.device_get(micro))}): save after an optimizer step.")
+                        f"{micro}): save after an optimizer step.")
     return nest((keys, jax.random.key_data(x) if _is_key(x) else x)
                  for keys, x in _canonical_paths(state) if keys is not None)
 
@@ -102,9 +103,7 @@ class CheckpointManager:
                  max_to_keep: int | None = None, async_save: bool = True,
                  save_on_preemption: bool = False):
         self.directory, self.zero = os.path.abspath(os.fspath(directory)), zero
-        self._mgr = ocp.CheckpointManager(self.directory, item_handlers={
-            "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()},
-            options=ocp.CheckpointManagerOptions(
+        self._mgr = orbax_manager(self.directory, ocp.CheckpointManagerOptions(
             save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
             cleanup_tmp_directories=True, enable_async_checkpointing=async_save))
         self._sigterm, self._unsaved = False, None
@@ -151,14 +150,10 @@ class CheckpointManager:
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
         an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
-        step = self.latest_step() if step is None else int(step)
-        if step is None or step not in self._mgr.all_steps():
-            raise ZeroError(f"no complete checkpoint {'' if step is None else step} in "
-                            f"{self.directory} (steps there: {list(self._mgr.all_steps())}).")
+        step, saved = saved_step(self._mgr, step)
         abstract = jax.eval_shape(self.zero.manage, target)
         shardings = self.zero.state_shardings(abstract)
         wanted = _canonical_paths(abstract)
-        saved = _saved_tree(self._mgr.item_metadata(step)["state"])
         request, restore_args = [], []
         for (keys, leaf), sharding in zip(wanted, jax.tree_util.tree_leaves(shardings)):
             meta = None if keys is None else _lookup(saved, keys)
@@ -204,9 +199,22 @@ class CheckpointManager:
         self.close()
 
 
-def _saved_tree(meta) -> dict:
-    """The nested dict of per-leaf metadata (shape, dtype) of a saved canonical tree."""
-    return getattr(meta, "tree", meta)
+def orbax_manager(directory: str, options) -> ocp.CheckpointManager:
+    """An orbax manager for zerojax's two items: the canonical `state` tree and JSON `extra`."""
+    return ocp.CheckpointManager(directory, options=options, item_handlers={
+        "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+
+
+def saved_step(mgr, step: int | None) -> tuple[int, dict]:
+    """(step, nested dict of per-leaf metadata: shape, dtype, sharding) of complete checkpoint
+    `step` (the latest when None), or a ZeroError listing the steps there."""
+    steps = list(mgr.all_steps())
+    step = mgr.latest_step() if step is None else int(step)
+    if step is None or step not in steps:
+        raise ZeroError(f"no complete checkpoint {'' if step is None else step} in "
+                        f"{mgr.directory} (steps there: {steps}).")
+    meta = mgr.item_metadata(step)["state"]
+    return step, getattr(meta, "tree", meta)
 
 
 def _key_size(leaf) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from zerojax.checkpoint import nest
+from zerojax.checkpoint import nest, orbax_manager, saved_step
 from zerojax.config import ZeroError
 
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
@@ -29,9 +29,8 @@ EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _manager(directory):
     if not os.path.isdir(directory):
         raise ZeroError(f"{directory} is not a directory.")
-    return ocp.CheckpointManager(os.path.abspath(directory), item_handlers={
-        "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(create=False, save_interval_steps=0))
+    return orbax_manager(os.path.abspath(directory),
+                         ocp.CheckpointManagerOptions(create=False, save_interval_steps=0))
 
 
 def _leaves(tree, prefix=()):
@@ -47,13 +46,7 @@ def _leaves(tree, prefix=()):
 
 def _step_and_tree(directory, step):
     mgr = _manager(directory)
-    steps = list(mgr.all_steps())
-    step = mgr.latest_step() if step is None else int(step)
-    if step is None or step not in steps:
-        raise ZeroError(f"no complete checkpoint {'' if step is None else step} in {directory} "
-                        f"(steps there: {steps}).")
-    meta = mgr.item_metadata(step)["state"]
-    return mgr, step, getattr(meta, "tree", meta)
+    return (mgr, *saved_step(mgr, step))
 
 
 def info(directory, step: int | None = None) -> dict:

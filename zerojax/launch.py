@@ -71,7 +71,8 @@ def _wait_for_coordinator(address: str, timeout: int):
             time.sleep(0.5)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -90,7 +91,7 @@ def launch(num_processes: int, command: list[str], devices_per_process: int | No
         print("zerojax launch: no command given (zerojax launch -n 2 -- python train.py)",
               file=sys.stderr)
         return 2
-    coordinator = f"127.0.0.1:{port or _free_port()}"
+    coordinator = f"127.0.0.1:{port or free_port()}"
     procs = []
     for rank in range(num_processes):
         env = dict(os.environ, **{ENV_COORDINATOR: coordinator, ENV_NUM: str(num_processes),

@@ -169,12 +169,14 @@ class ZeroStep:
             new_state = self._update(shardings, new_state, state.step, grads)
         return _with_metrics(new_state, rest)
 
-    def _grad_specs(self, params):
-        """Specs of the reduced gradients: split like the optimizer state from stage 2 on."""
+    def _grad_specs(self, params, split: bool | None = None):
+        """Specs of the reduced gradients: split like the optimizer state (from stage 2 on,
+        unless `split` says otherwise), else whole."""
         cfg, n = self.zero.config, self.zero.axis_size
+        split = cfg.stage >= 2 if split is None else split
         return jax.tree_util.tree_map_with_path(
-            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0]
-            if cfg.stage >= 2 else P(), params)
+            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0] if split
+            else P(), params)
 
     def _update(self, shardings, new_state, old_step, grads):
         """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
@@ -182,9 +184,9 @@ class ZeroStep:
         if cfg.offload_update != "host":
             return apply_update(new_state, old_step, grads, cfg)
         mesh, opt = self.zero.mesh, shardings.opt_state
-        grads_sh = jax.tree_util.tree_map_with_path(   # gradients split like the master
-            lambda p, x: NamedSharding(mesh, split_spec(x.shape, cfg.axis, self.zero.axis_size,
-                                                        cfg, path_str(p))[0]), new_state.params)
+        grads_sh = jax.tree_util.tree_map(          # gradients split like the master
+            lambda spec: NamedSharding(mesh, spec), self._grad_specs(new_state.params, True),
+            is_leaf=lambda x: isinstance(x, P))
         host = (opt.master if present(opt.master) else shardings.params, opt.inner, grads_sh,
                 NamedSharding(mesh, P()))
         return apply_update(new_state, old_step, grads, cfg,
