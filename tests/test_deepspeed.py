@@ -188,6 +188,8 @@ def test_one_mutation_of_a_preset_is_named(path, how, data):
             zj.ZeroConfig.from_json(config)
     except zj.ZeroError as e:
         assert name in str(e) or key in str(e), (config, str(e))
+    else:
+        assert how == "replace", f"renamed key {name!r} was accepted: {config}"
 
 
 def test_readme_table_lists_every_key():
