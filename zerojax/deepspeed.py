@@ -13,6 +13,7 @@ for the batch keys, are inferred by DeepSpeed's batch arithmetic once the device
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any, Callable, Mapping
 
@@ -44,14 +45,15 @@ class Row:
 
 # ---- value readers: each names the key it reads in its error ---------------------------------
 def _whole(name, value, low=0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) \
-            or value < low:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value != int(value) or value < low:
         raise ZeroError(f"{name} must be a whole number >= {low}; got {value!r}.")
     return int(value)
 
 
 def _real(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not value >= 0:
         raise ZeroError(f"{name} must be a number >= 0; got {value!r}.")
     return float(value)
 
