@@ -62,3 +62,17 @@ def assert_params_close(got, want, rtol=1e-5, atol=1e-6):
     for path, leaf in jax.tree_util.tree_flatten_with_path(got)[0]:
         np.testing.assert_allclose(np.asarray(leaf), np.asarray(flat_want[path]), rtol=rtol,
                                    atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def zeropp_setup(steps):
+    """The tiny LM (gather_on_use layers) with qwZ + hpZ + qgZ on a (node, local) mesh: one
+    node per process here, (2, 4) simulated in one process by the test."""
+    from zerojax.models.gpt import make_init as lm_init, train_step as lm_step
+    from zerojax.models.lm import LM, LM_PRESETS
+    cfg = LM_PRESETS["tiny"].replace(n_layers=2, seq_len=16)
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, cfg.vocab, (16, 1)) + np.arange(cfg.seq_len + 1)) % cfg.vocab
+            for _ in range(steps)]
+    options = dict(stage=3, quantized_weights=True, hpz_partition_size=4,
+                   quantized_gradients=True, persistence_threshold=0)
+    return lm_init(LM(cfg), optax.adam(1e-2)), lm_step, data, options

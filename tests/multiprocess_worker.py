@@ -14,7 +14,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zerojax as zj  # noqa: E402
-from common import batches, make_init, train_step  # noqa: E402
+from common import batches, make_init, train_step, zeropp_setup  # noqa: E402
 
 
 def main(process_id: int, port: int, out: str, steps: int):
@@ -36,9 +36,20 @@ def main(process_id: int, port: int, out: str, steps: int):
         params = multihost_utils.process_allgather(state.params, tiled=True)
         for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
             results[f"param_{stage}_{jax.tree_util.keystr(path)}"] = np.asarray(leaf)
+    results.update(train_zeropp(process_id, steps))
     if process_id == 0:
         np.savez(out, **results)
     jax.distributed.shutdown()
+
+
+def train_zeropp(process_id, steps):
+    init_fn, step_fn, data, options = zeropp_setup(steps)
+    zero = zj.zero_shard(mesh=zj.make_mesh(local=jax.local_device_count()), **options)
+    state, step, losses = zero.init(init_fn, jax.random.key(0)), zero(step_fn), []
+    for batch in data:
+        state, metrics = step(state, batch[process_id * 8:(process_id + 1) * 8])
+        losses.append(float(metrics["loss"]))
+    return {"losses_zeropp": np.array(losses)}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pytest
 
 import zerojax as zj
 from zerojax.launch import free_port
-from common import batches, train_zero
+from common import batches, train_zero, zeropp_setup
 
 STEPS = 4
 
@@ -49,3 +49,14 @@ def test_two_processes_match_one_process(two_process_results, stage):
         np.testing.assert_allclose(
             two_process_results[f"param_{stage}_{jax.tree_util.keystr(path)}"],
             np.asarray(leaf), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_zeropp_two_processes_as_nodes_match_one_process(two_process_results):
+    # one process per node: qwZ + hpZ + qgZ on (node=2, local=4) across real processes
+    init_fn, step_fn, data, options = zeropp_setup(STEPS)
+    zero = zj.zero_shard(mesh=zj.make_mesh(local=4), **options)
+    state, step, losses = zero.init(init_fn, jax.random.key(0)), zero(step_fn), []
+    for batch in data:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(two_process_results["losses_zeropp"], losses, rtol=1e-4)

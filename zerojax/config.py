@@ -31,8 +31,10 @@ class ZeroConfig:
     """ZeRO stage. 0: data parallel. 1: optimizer state sharded. 2: gradients too.
     3: parameters too, gathered on use. (DeepSpeed's default is 0 as well.)"""
 
-    axis: str = "data"
-    """Mesh axis over which state is sharded and the batch is split."""
+    axis: Any = "data"
+    """Mesh axis over which state is sharded and the batch is split (a tuple of names shards
+    over several axes at once). On a ('node', 'local') mesh from `zj.make_mesh(local=...)`
+    zerojax uses both axes (MiCS: 'local' only) whatever this says."""
 
     persistence_threshold: int = 1024
     """Leaves with fewer elements than this stay replicated (DeepSpeed's
@@ -91,6 +93,37 @@ class ZeroConfig:
     min_loss_scale: float = 1.0
     """fp16: the scale never goes below this; overflowing there raises an error."""
 
+    # ---- ZeRO++ and MiCS (stage 3; DeepSpeed's zero_quantized_*, zero_hpz_*, mics_*) --------
+    quantized_weights: bool = False
+    """qwZ: stage-3 weight all-gathers move symmetric int8 blocks with one fp32 scale per block
+    instead of 16-bit (or 32-bit) weights: half the bytes of bf16. The layer computes with the
+    dequantized weight; gradients are those of the dequantized weight (straight through)."""
+
+    quantized_weights_block: int = 256
+    """qwZ elements per int8 block (one fp32 scale each: 1.6% extra bytes at 256)."""
+
+    hpz_partition_size: int = 1
+    """hpZ: > 1 keeps, after each `gather_on_use` layer's forward gather, a secondary copy of
+    its weights sharded over this many devices (one node: the mesh's 'local' axis), so that
+    backward re-gathers inside the node, never across nodes. Costs 2 bytes (bf16) x layer
+    parameters / this size per device between forward and backward. 1: off."""
+
+    quantized_gradients: bool = False
+    """qgZ: stage-3 gradient reduce-scatters become blockwise-quantized all-to-alls, inside
+    the node first (dequantize, sum in fp32), then across nodes: 1/local of the gradient
+    crosses nodes, in `quantized_gradients_bits` bits."""
+
+    quantized_gradients_bits: int = 4
+    """qgZ code width: 4 (two codes per byte) or 8."""
+
+    quantized_gradients_block: int = 32
+    """qgZ elements per block (one fp32 scale each). Smaller blocks: less error, more bytes."""
+
+    mics_shard_size: int = -1
+    """MiCS: > 0 shards the model states inside groups of this many devices (the mesh's 'local'
+    axis) and replicates them across groups; gradients are reduce-scattered inside the group
+    and all-reduced across groups. -1: off (DeepSpeed's default)."""
+
     # ---- the update ----------------------------------------------------------------------------
     gradient_accumulation_steps: Any = 1
     """k: the step is called once per micro-batch and every k-th call applies the update with
@@ -146,7 +179,10 @@ class ZeroConfig:
         if not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
             raise ZeroError(f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
                               "stage 3 shards parameters, gradients and optimizer state.")
-        if not isinstance(self.axis, str) or not self.axis:
+        if isinstance(self.axis, list):
+            object.__setattr__(self, "axis", tuple(self.axis))
+        names = self.axis if isinstance(self.axis, tuple) else (self.axis,)
+        if not names or not all(isinstance(a, str) and a for a in names):
             raise ZeroError(f"axis must be a mesh axis name such as 'data' (got {self.axis!r}).")
         if self.prefetch not in (0, 1):
             raise ZeroError(f"prefetch must be 0 or 1 layers ahead (got {self.prefetch!r}): "
@@ -166,6 +202,35 @@ class ZeroConfig:
         object.__setattr__(self, "rules", rules)
         self._check_update_options()
         self._check_offload_options()
+        self._check_zeropp_options()
+
+    def _check_zeropp_options(self):
+        for name in ("quantized_weights", "quantized_gradients"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
+        for name, low in (("hpz_partition_size", 1), ("mics_shard_size", -1),
+                          ("quantized_weights_block", 2), ("quantized_gradients_block", 2)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise ZeroError(f"{name} must be an integer >= {low} (got {value!r}).")
+        _choice("quantized_gradients_bits", self.quantized_gradients_bits, (4, 8))
+        if self.quantized_gradients_block % 2:
+            raise ZeroError("quantized_gradients_block must be even (int4 codes are packed two "
+                            f"per byte; got {self.quantized_gradients_block}).")
+        used = [name for name, on in (
+            ("quantized_weights (qwZ)", self.quantized_weights),
+            ("hpz_partition_size (hpZ)", self.hpz_partition_size > 1),
+            ("quantized_gradients (qgZ)", self.quantized_gradients),
+            ("mics_shard_size (MiCS)", self.mics_shard_size > 0)) if on]
+        if used and self.stage != 3:
+            raise ZeroError(f"{', '.join(used)} need stage 3 (got stage {self.stage}): they "
+                            "change stage 3's parameter gathers and gradient reduce-scatters.")
+        if used and not self.explicit_collectives:
+            raise ZeroError(f"{', '.join(used)} are zerojax's own collectives around "
+                            "state.apply_fn: they need explicit_collectives=True.")
+        if self.hpz_partition_size > 1 and self.mics_shard_size > 0:
+            raise ZeroError("hpz_partition_size and mics_shard_size both group the devices of "
+                            "a node: MiCS already keeps every gather inside the node; use one.")
 
     def _check_offload_options(self):
         for name in ("offload_optimizer", "offload_param"):
@@ -329,7 +394,7 @@ def _offload_device(name: str, value) -> str:
 def _choice(name, value, allowed):
     if value not in allowed:
         raise ZeroError(f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
-                        f"{nearest(str(value), allowed)}.")
+                        f"{nearest(str(value), [str(a) for a in allowed])}.")
 
 
 def resolve_config(config=None, **overrides) -> ZeroConfig:

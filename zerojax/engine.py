@@ -13,7 +13,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
-from zerojax.mesh import make_mesh
+from zerojax.comm.hierarchy import comm_for
+from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
 from zerojax.rules import DEVICE, plan_state, path_str
@@ -32,12 +33,12 @@ class ZeroShard:
     """Sharding rules for one mesh and config, and the decorator that applies them to a step."""
 
     def __init__(self, config: ZeroConfig, mesh=None):
-        self.mesh = make_mesh(axis=config.axis) if mesh is None else mesh
-        if config.axis not in self.mesh.axis_names:
-            raise ZeroError(f"the mesh has axes {self.mesh.axis_names}, not the config's axis "
-                              f"{config.axis!r}; pass axis= to match the mesh.")
-        self.axis_size = self.mesh.shape[config.axis]
-        self.config = config.for_devices(self.axis_size)   # batch sizes and 'auto' resolved
+        self.mesh = default_mesh(config) if mesh is None else mesh
+        self.comm = comm_for(self.mesh, config)      # which axes each collective runs over
+        self.axis_size = self.comm.data_size         # devices that split the batch
+        self.shard_size = self.comm.shard_size       # devices that split the state
+        # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
+        self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
@@ -45,11 +46,11 @@ class ZeroShard:
     # ---- placement -------------------------------------------------------------------------
     def plan(self, state):
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape."""
-        return plan_state(state, self.config, self.axis_size)[1]
+        return plan_state(state, self.config, self.shard_size)[1]
 
     def state_shardings(self, state):
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives."""
-        specs, plans = plan_state(state, self.config, self.axis_size)
+        specs, plans = plan_state(state, self.config, self.shard_size)
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
         return jax.tree_util.tree_unflatten(treedef, [
             NamedSharding(self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
@@ -85,7 +86,7 @@ class ZeroShard:
             self.state_shardings(abstract))
 
     def batch_sharding(self, leaf) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.config.axis) if np.ndim(leaf) else P())
+        return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
 
     def place_batch(self, batch):
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
@@ -117,7 +118,7 @@ class ZeroShard:
                 raise ZeroError(
                     f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
                     f"{np.shape(leaf)}), which does not divide by the {self.axis_size} devices "
-                    f"of axis {self.config.axis!r}: use a global batch that is a multiple of "
+                    f"of axes {self.comm.data_axis!r}: use a global batch that is a multiple of "
                     f"{self.axis_size}.")
             if abstract:
                 return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)

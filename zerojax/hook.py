@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from zerojax.comm.hierarchy import Comm
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
 from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.config import ZeroConfig, ZeroError
@@ -49,24 +50,24 @@ def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
                  for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0])
 
 
-def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: list, scale=None):
-    """`apply_fn` with explicit collectives; `batch_rows` holds the global batch sizes (leading
-    dims of the step's batch leaves), each call appends to `calls`, and `scale` is the fp16
-    loss scale (None without loss scaling)."""
-    axis = cfg.axis
-    n = mesh.shape[axis]
+def hooked_apply_fn(apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set, calls: list,
+                    scale=None):
+    """`apply_fn` with explicit collectives over `comm`'s axes; `batch_rows` holds the global
+    batch sizes (leading dims of the step's batch leaves), each call appends to `calls`, and
+    `scale` is the fp16 loss scale (None without loss scaling)."""
+    axis, n, n_shard = comm.shard_axis, comm.data_size, comm.shard_size
     dtypes_reduce = DTYPES[cfg.grad_reduce_dtype]
 
     def grad_spec(path, leaf):
         if cfg.stage >= 2 and path and key_name(path[0]) == PARAMS:
-            return split_spec(leaf.shape, axis, n, cfg, path_str(path[1:]))[0]
+            return split_spec(leaf.shape, axis, n_shard, cfg, path_str(path[1:]))[0]
         return P()
 
     def apply(variables, *args, **kwargs):
         calls.append(True)
         flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
-        store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n)))
+        store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n_shard)))
         grads = tuple(jax.tree_util.tree_leaves(
             jax.tree_util.tree_map_with_path(grad_spec, variables)))
         # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
@@ -76,11 +77,11 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
         compute = _compute_dtypes(variables, cfg)
         copies = device_copies(tuple(leaves[i] for i in whole), scale,
                                tuple(store[i] for i in whole), tuple(grads[i] for i in whole),
-                               mesh, axis, (tuple(compute[i] for i in whole), dtypes_reduce,
+                               mesh, comm, (tuple(compute[i] for i in whole), dtypes_reduce,
                                             tuple(leaves[i].dtype for i in whole)))
         shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
         gather_ctx = GatherContext(
-            axis=axis, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
+            comm=comm, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
             reduce_dtype=dtypes_reduce, prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
             split_dims={path_str(p[1:]): split_dim(sp, axis) for (p, _), sp in
@@ -90,9 +91,10 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
-        in_specs = tuple(P(axis) if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows
+        batch_spec = P(comm.data_axis)
+        in_specs = tuple(batch_spec if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows
                          else P() for i in dynamic)
-        if not any(spec == P(axis) for spec in in_specs):
+        if not any(spec == batch_spec for spec in in_specs):
             raise ApplyHookError(
                 "zerojax: no argument of state.apply_fn has the batch's leading dimension "
                 f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
@@ -114,8 +116,9 @@ def hooked_apply_fn(apply_fn, mesh, cfg: ZeroConfig, batch_rows: set, calls: lis
 
         shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
         out = jax.shard_map(body, mesh=mesh,
-                            in_specs=(tuple(P(axis) for _ in whole), shard_specs, in_specs, P()),
-                            out_specs=P(axis))(copies, shards, tuple(flat[i] for i in dynamic),
+                            in_specs=(tuple(batch_spec for _ in whole), shard_specs, in_specs,
+                                      P()),
+                            out_specs=batch_spec)(copies, shards, tuple(flat[i] for i in dynamic),
                                                scale)
         return out if scale is None else scale_cotangent(out, scale)
     return apply
@@ -134,7 +137,7 @@ def _model(apply_fn, flat: list, positions: list, tree, cfg: ZeroConfig):
 def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
     """Per variable leaf: is it a parameter of a `gather_on_use` module? (An abstract trace
     of the model records which modules gather.)"""
-    ctx = GatherContext(axis="", split_dims={}, stored_ndim={}, compute_dtype=None,
+    ctx = GatherContext(comm=None, split_dims={}, stored_ndim={}, compute_dtype=None,
                         reduce_dtype=None, discover=True)
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]

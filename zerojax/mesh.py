@@ -10,10 +10,31 @@ import numpy as np
 import jax
 from jax.sharding import AxisType, Mesh
 
+from zerojax.config import ZeroError
 
-def make_mesh(devices=None, axis: str = "data") -> Mesh:
-    """A 1-D mesh of `devices` (default: all devices of all processes) on one axis."""
+
+def make_mesh(devices=None, axis: str = "data", *, local: int | None = None) -> Mesh:
+    """A 1-D mesh of `devices` (default: all devices of all processes) on `axis`; with `local`,
+    a ('node', 'local') mesh of groups of `local` devices (a node: devices are grouped by
+    process first, so `local=jax.local_device_count()` makes one group per process), as
+    ZeRO++'s hpZ and qgZ and MiCS use it."""
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh needs at least one device.")
-    return Mesh(np.array(devices), (axis,), axis_types=(AxisType.Auto,))
+    if local is None:
+        return Mesh(np.array(devices), (axis,), axis_types=(AxisType.Auto,))
+    if not isinstance(local, int) or local < 1 or len(devices) % local:
+        raise ZeroError(f"make_mesh(local={local!r}): the group size must divide the "
+                        f"{len(devices)} devices.")
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    grid = np.array(devices).reshape(len(devices) // local, local)
+    return Mesh(grid, ("node", "local"), axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def default_mesh(cfg) -> Mesh:
+    """The mesh `zero_shard` uses when given none: all devices on the config's axis, or a
+    ('node', 'local') mesh with hpZ or MiCS, whose group size is the node's."""
+    group = max(cfg.hpz_partition_size, cfg.mics_shard_size)
+    if group > 1:
+        return make_mesh(local=group)
+    return make_mesh(axis=cfg.axis) if isinstance(cfg.axis, str) else make_mesh()

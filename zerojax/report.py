@@ -19,6 +19,7 @@ import re
 import tempfile
 
 import jax
+import numpy as np
 
 from zerojax import xla_flags
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
@@ -38,6 +39,7 @@ class Collective:
     dtype: str
     buffer_bytes: int     # the full buffer: all-reduce operand, all-gather output, RS input
     group_size: int
+    cross_node: bool = False   # a replica group spans two nodes of a ('node', 'local') mesh
 
     @property
     def sent_bytes(self) -> float:
@@ -56,28 +58,36 @@ def _arrays_bytes(text: str):
             for dt, dims in _ARRAY.findall(text) if dt in _DTYPE_BYTES]
 
 
-def _group_size(attrs: str, default: int) -> int:
-    m = re.search(r"replica_groups=\{\{([\d,]*)\}", attrs)
+def _groups(attrs: str, num_devices: int) -> list[list[int]]:
+    """The device groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`,
+    source-target pairs of a permute, or all devices when it names none."""
+    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
     if m:
-        return len(m.group(1).split(","))
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)   # iota form [groups,size]<=[...]
+        return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
-        return int(m.group(2))
-    m = re.search(r"source_target_pairs=", attrs)
-    return 2 if m else default
+        dims = [int(d) for d in m.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if m.group(4):
+            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+    return [list(range(num_devices))]
 
 
-def _collectives_in(line: str, num_devices: int) -> list[Collective]:
+def _collectives_in(line: str, num_devices: int, local: int) -> list[Collective]:
     m = _OP.search(line)
     if not m:
         return []
-    kind, group = m.group("op"), _group_size(m.group("attrs"), num_devices)
+    groups = _groups(m.group("attrs"), num_devices)
+    kind = m.group("op")
+    group = 2 if kind == "collective-permute" else len(groups[0])
+    cross = any(len({i // local for i in g}) > 1 for g in groups)
     results = _arrays_bytes(m.group("result"))
     if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
         results = results[len(results) // 2:]
     # Read from the results: a reduce-scatter's full buffer is g times its result.
     arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
-    return [Collective(kind, dtype, nbytes, group) for dtype, nbytes in arrays]
+    return [Collective(kind, dtype, nbytes, group, cross) for dtype, nbytes in arrays]
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -97,10 +107,13 @@ def _trip_count(line: str, condition: list[str]) -> int:
     return consts[0] if lt and len(consts) == 1 else 1
 
 
-def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
+def parse_collectives(hlo_text: str, num_devices: int, local: int | None = None
+                      ) -> list[Collective]:
     """Every collective an HLO module executes, as often as it executes: collectives inside a
     while loop (a scanned layer stack) count once per iteration. Async `-start` halves count
-    once, `-done` halves not at all."""
+    once, `-done` halves not at all. `local`: devices per node (device ids in mesh order), to
+    mark the collectives whose groups cross nodes; None: one node."""
+    local = local or num_devices
     computations, entry, name = {}, None, None
     for line in hlo_text.splitlines():
         m = _COMPUTATION.match(line)
@@ -114,7 +127,7 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
     def walk(comp: str, seen: tuple) -> list[Collective]:
         found = []
         for line in computations.get(comp, []):
-            found += _collectives_in(line, num_devices)
+            found += _collectives_in(line, num_devices, local)
             loop = _WHILE.search(line)
             if loop and loop.group(2) not in seen:
                 trips = _trip_count(line, computations.get(loop.group(1), []))
@@ -127,7 +140,8 @@ def parse_collectives(hlo_text: str, num_devices: int) -> list[Collective]:
         return found
 
     if entry is None:   # a bare list of instructions (no computations)
-        return [c for line in hlo_text.splitlines() for c in _collectives_in(line, num_devices)]
+        return [c for line in hlo_text.splitlines()
+                for c in _collectives_in(line, num_devices, local)]
     return walk(entry, ())
 
 
@@ -162,14 +176,27 @@ class Report:
         return self.peak_bytes + self.streamed_bytes
 
     def comm_table(self):
-        """{(kind, dtype): [count, buffer bytes, sent bytes]} summed over the step."""
-        table = collections.defaultdict(lambda: [0, 0, 0.0])
+        """{(kind, dtype): [count, buffer bytes, sent bytes, cross-node sent bytes]} summed
+        over the step."""
+        table = collections.defaultdict(lambda: [0, 0, 0.0, 0.0])
         for c in self.collectives:
             row = table[(c.kind, c.dtype)]
             row[0] += 1
             row[1] += c.buffer_bytes
             row[2] += c.sent_bytes
+            row[3] += c.sent_bytes if c.cross_node else 0.0
         return dict(table)
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes one device sends per step, all collectives."""
+        return sum(c.sent_bytes for c in self.collectives)
+
+    @property
+    def cross_node_bytes(self) -> float:
+        """Bytes one device sends per step in collectives whose groups span two nodes (all of a
+        collective's bytes count when its group does; 0 on a one-node mesh)."""
+        return sum(c.sent_bytes for c in self.collectives if c.cross_node)
 
     def bytes_of(self, kind: str) -> int:
         return sum(c.buffer_bytes for c in self.collectives if c.kind == kind)
@@ -197,9 +224,11 @@ class Report:
                   *([f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
                      f"bound {mb(self.peak_bound_bytes).strip()})"] if self.streamed_bytes else []),
                   "communication per optimizer step (HLO after SPMD partitioning):",
-                  f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"]
-        for (kind, dtype), (count, buf, sent) in sorted(self.comm_table().items()):
-            lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}")
+                  f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"
+                  f"{'cross-node':>11}"]
+        for (kind, dtype), (count, buf, sent, cross) in sorted(self.comm_table().items()):
+            lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}"
+                         f"{mb(cross):>11}")
         if not self.collectives:
             lines.append("  (none)")
         for name, value in self.xla_flags.items():
@@ -266,13 +295,14 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
                              (".optimized.hlo.txt", compiled.as_text())):
             with open(dump_to + suffix, "w") as f:
                 f.write(text)
-    collectives = parse_collectives(hlo, zero.axis_size)
+    local = dict(zero.mesh.shape).get("local")     # devices per node on a ('node', 'local') mesh
+    collectives = parse_collectives(hlo, zero.axis_size, local)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
         micro, micro_hlo = compile_with_partitioned_hlo(
             step.lower(state, batch, *extra, micro=True))
-        collectives += parse_collectives(micro_hlo, zero.axis_size) * (k - 1)
+        collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
     resident, host, kept = resident_bytes(zero, state)
     # CPU's memory_analysis counts host-memory arguments with the device's (its host fields

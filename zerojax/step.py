@@ -23,7 +23,8 @@ from zerojax.config import ZeroError
 from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, capture_gradients,
                            cast_floating, present, update_metrics)
-from zerojax.comm.gather import reduce_gradient, split_dim
+from zerojax.comm.gather import split_dim
+from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
 
@@ -147,8 +148,8 @@ class ZeroStep:
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
         if cfg.explicit_collectives and callable(original) and hasattr(state, "replace"):
-            view = view.replace(apply_fn=hooked_apply_fn(original, mesh, cfg, batch_rows, calls,
-                                                         scale))
+            view = view.replace(apply_fn=hooked_apply_fn(original, mesh, self.zero.comm, cfg,
+                                                         batch_rows, calls, scale))
         elif managed and cfg.precision != "fp32":
             raise ZeroError("16-bit precision casts parameters where state.apply_fn uses them: "
                             "keep explicit_collectives=True and call state.apply_fn in the step.")
@@ -172,7 +173,7 @@ class ZeroStep:
     def _grad_specs(self, params, split: bool | None = None):
         """Specs of the reduced gradients: split like the optimizer state (from stage 2 on,
         unless `split` says otherwise), else whole."""
-        cfg, n = self.zero.config, self.zero.axis_size
+        cfg, n = self.zero.config, self.zero.shard_size
         split = cfg.stage >= 2 if split is None else split
         return jax.tree_util.tree_map_with_path(
             lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0] if split
@@ -193,8 +194,8 @@ class ZeroStep:
                             run_optimizer=functools.partial(optimizer_on_host, shardings=host))
 
     def _traced_local(self, shardings, micro, state, batch, *extra):
-        cfg, mesh, axis = self.zero.config, self.zero.mesh, self.zero.config.axis
-        n = self.zero.axis_size
+        cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
+        axis, n = comm.data_axis, comm.data_size
         specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
         param_grad_specs = self._grad_specs(state.params)
         original, calls = state.apply_fn, []
@@ -213,7 +214,7 @@ class ZeroStep:
             reduced = ()
             if not micro:    # one reduction per optimizer step; the mean over devices, as DDP
                 reduced = jax.tree_util.tree_map(
-                    lambda s, spec: reduce_gradient(s[0], split_dim(spec, axis), axis,
+                    lambda s, spec: reduce_gradient(s[0], split_dim(spec, comm.shard_axis), comm,
                                                     DTYPES[cfg.grad_reduce_dtype])
                     .astype(jnp.float32) / n,
                     sums, param_grad_specs)

@@ -4,9 +4,10 @@
 `(n, *shape)` array whose block on device i is device i's full copy, cast to the compute dtype
 first so a stage-3 all-gather moves 16-bit weights; no communication for a replicated leaf.
 Its backward receives each device's own, unreduced gradient block and reduces it in the
-configured dtype with the collective the stage calls for: a reduce-scatter (`psum_scatter`)
-when the gradient is to be stored split, else an all-reduce; then it divides by the loss scale
-in fp32 and returns the gradient in the leaf's own dtype. Written with `shard_map` because
+configured dtype with the collective the stage calls for (`comm.hierarchy.reduce_gradient`): a
+reduce-scatter when the gradient is to be stored split, else an all-reduce; then it divides by
+the loss scale in fp32 and returns the gradient in the leaf's own dtype. With ZeRO++ the
+gather moves int8 blocks (qwZ) and the reduce-scatter quantized blocks (qgZ). Written with `shard_map` because
 XLA's partitioner on CPU never emits reduce-scatter.
 
 `compute_copies` is the same cast and unscale without collectives, for steps that already run
@@ -19,6 +20,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from zerojax.comm.hierarchy import Comm, gather_weight, reduce_gradient
 
 
 def split_dim(spec: P, axis: str):
@@ -35,17 +38,6 @@ def to_compute(x, compute_dtype):
     return x.astype(compute_dtype) if floating and compute_dtype is not None else x
 
 
-def reduce_gradient(g, dim, axis: str, reduce_dtype):
-    """One device's gradient summed over `axis` in `reduce_dtype` (None keeps it): a
-    reduce-scatter along `dim`, or an all-reduce when `dim` is None. The one place where
-    zerojax reduces gradients (model hook, per-layer gather, local accumulation)."""
-    if reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
-        g = g.astype(reduce_dtype)
-    if dim is None:
-        return jax.lax.psum(g, axis)
-    return jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
-
-
 def unscale(ct, scale, dtype):
     """Gradient back in the leaf's dtype, divided by the loss scale in fp32 (if scaled)."""
     if scale is None:
@@ -54,35 +46,37 @@ def unscale(ct, scale, dtype):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def device_copies(leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, mesh, axis: str,
-                  dtypes: tuple):
-    """Stacked full copies, one per device, of each leaf (see the module docstring).
-    `dtypes` = (per-leaf compute dtypes, each None to keep the leaf's; reduce dtype or None;
-    per-leaf dtypes of `leaves`, the gradients' dtypes)."""
+def device_copies(leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, mesh,
+                  comm: Comm, dtypes: tuple):
+    """Stacked full copies, one per device, of each leaf (see the module docstring); `comm`
+    says over which axes, and whether quantized (qwZ, qgZ). `dtypes` = (per-leaf compute
+    dtypes, each None to keep the leaf's; reduce dtype or None; per-leaf dtypes of `leaves`,
+    the gradients' dtypes)."""
     def gather(*xs):
         out = []
         for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0]):
-            x, dim = to_compute(x, compute_dtype), split_dim(spec, axis)
-            full = x if dim is None else jax.lax.all_gather(x, axis, axis=dim, tiled=True)
-            out.append(full[None])
+            x = to_compute(x, compute_dtype)
+            out.append(gather_weight(x, split_dim(spec, comm.shard_axis), comm, x.dtype)[None])
         return tuple(out)
     return jax.shard_map(gather, mesh=mesh, in_specs=store_specs,
-                         out_specs=tuple(P(axis) for _ in leaves))(*leaves)
+                         out_specs=tuple(P(comm.data_axis) for _ in leaves))(*leaves)
 
 
-def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, axis, dtypes):
-    return device_copies(leaves, scale, store_specs, grad_specs, mesh, axis, dtypes), scale
+def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes):
+    return device_copies(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes), scale
 
 
-def _copies_bwd(store_specs, grad_specs, mesh, axis, dtypes, scale, cotangents):
+def _copies_bwd(store_specs, grad_specs, mesh, comm, dtypes, scale, cotangents):
     _, reduce_dtype, primal_dtypes = dtypes
 
     def reduce(*cts):
         out = []
         for ct, spec in zip(cts, grad_specs):
-            out.append(reduce_gradient(ct[0], split_dim(spec, axis), axis, reduce_dtype))
+            out.append(reduce_gradient(ct[0], split_dim(spec, comm.shard_axis), comm,
+                                       reduce_dtype))
         return tuple(out)
-    grads = jax.shard_map(reduce, mesh=mesh, in_specs=tuple(P(axis) for _ in cotangents),
+    grads = jax.shard_map(reduce, mesh=mesh,
+                          in_specs=tuple(P(comm.data_axis) for _ in cotangents),
                           out_specs=grad_specs)(*cotangents)
     grads = tuple(unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes))
     return grads, None if scale is None else jnp.zeros_like(scale)

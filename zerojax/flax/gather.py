@@ -11,7 +11,10 @@ gather depends instead on the previous gathered layer's input (cotangent in back
 can run while that layer computes; a scanned layer has no such anchor inside its loop body, and
 XLA's collective pipeliner (GPU) may move the next iteration's gather into the current one.
 With `offload_activations`, the one activation a layer saves for backward, its input, is kept
-in pinned host memory until its backward needs it.
+in pinned host memory until its backward needs it. ZeRO++: the gathers may move int8 blocks
+(qwZ) and the reduce-scatters quantized blocks (qgZ), see `comm.hierarchy`; with hpZ the layer
+also keeps its node-local secondary shard of the gathered weights, and backward re-gathers
+from it inside the node instead of across all devices.
 """
 from __future__ import annotations
 
@@ -23,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax.core.tracers import current_trace
 
-from zerojax.comm.gather import reduce_gradient, to_compute, unscale
+from zerojax.comm.gather import to_compute, unscale
+from zerojax.comm.hierarchy import (Comm, gather_secondary, gather_weight, reduce_gradient,
+                                    secondary_shard, vary_over_replicas)
 
 _CONTEXT = contextvars.ContextVar("zerojax_gather_context", default=None)
 
@@ -31,7 +36,7 @@ _CONTEXT = contextvars.ContextVar("zerojax_gather_context", default=None)
 @dataclasses.dataclass
 class GatherContext:
     """What a gathering module needs inside a stage-3 step's per-device body."""
-    axis: str
+    comm: Comm                # axes of the gathers and reduce-scatters; ZeRO++ options
     split_dims: dict          # parameter path ('layers/Attention_0/query/kernel') -> dim or None
     stored_ndim: dict         # the same paths -> ndim of the stored leaf (stacked when scanned)
     compute_dtype: object     # None keeps the stored dtype
@@ -136,36 +141,59 @@ def _anchor(ctx, direction: str, own, scanned: bool):
 def _gather(shards, dims, ctx):
     def one(x, dim):
         x = to_compute(x, ctx.compute_dtype)
-        return x if dim < 0 else jax.lax.all_gather(x, ctx.axis, axis=dim, tiled=True)
+        return gather_weight(x, None if dim < 0 else dim, ctx.comm, x.dtype)
     return jax.tree_util.tree_map(one, shards, dims)
 
 
 def _scatter(grads, dims, shards, ctx, scale):
     return jax.tree_util.tree_map(
-        lambda g, dim, x: unscale(reduce_gradient(g, None if dim < 0 else dim, ctx.axis,
-                                                  ctx.reduce_dtype), scale, x.dtype),
+        lambda g, dim, x: unscale(reduce_gradient(g, None if dim < 0 else dim, ctx.comm,
+                                                  ctx.reduce_dtype, replicas=False),
+                                  scale, x.dtype),
         grads, dims, shards)
+
+
+def _secondary(params, dims, ctx) -> list:
+    """hpZ: per split leaf, this device's node-local slice of the gathered weight."""
+    flat, dims = jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(dims)
+    return [secondary_shard(p, d, ctx.comm) for p, d in zip(flat, dims) if d >= 0]
+
+
+def _from_secondary(secondary: list, shards, dims, ctx):
+    """hpZ: the layer's weights re-gathered inside the node (whole leaves from their shard)."""
+    flat, tree = jax.tree_util.tree_flatten(shards)
+    parts = iter(secondary)
+    return jax.tree_util.tree_unflatten(tree, [
+        to_compute(x, ctx.compute_dtype) if d < 0 else gather_secondary(next(parts), d, ctx.comm)
+        for x, d in zip(flat, jax.tree_util.tree_leaves(dims))])
 
 
 def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
     """`apply(gathered params, args, kwargs)` with the memory behaviour of the module docstring."""
+    hpz = ctx.comm.secondary is not None
+
     @jax.custom_vjp
     def run(shards, args, anchor, scale):
         return apply(_gather(_depend(shards, anchor), dims, ctx), args, kwargs)
 
     def fwd(shards, args, anchor, scale):
         saved = _to_memory(args, jax.memory.Space.Host) if ctx.offload_activations else args
-        return run(shards, args, anchor, scale), (shards, saved, anchor, scale)
+        params = _gather(_depend(shards, anchor), dims, ctx)
+        secondary = _secondary(params, dims, ctx) if hpz else []
+        return apply(params, args, kwargs), (shards, secondary, saved, anchor, scale)
 
     def bwd(res, ct):   # the loss scale arrives as a residual: bwd runs in another trace
-        shards, args, anchor, scale = res
+        shards, secondary, args, anchor, scale = res
         if ctx.offload_activations:
             args = _to_memory(args, jax.memory.Space.Device)
-        params = _gather(_depend(shards, _scalar(_anchor(ctx, "bwd", ct, scanned))), dims, ctx)
+        wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
+        params = _from_secondary(_depend(secondary, wait), shards, dims, ctx) if hpz \
+            else _gather(_depend(shards, wait), dims, ctx)
         _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
         dparams, dargs = vjp(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)
         return _scatter(dparams, dims, shards, ctx, scale), dargs, zero(anchor), zero(scale)
 
     run.defvjp(fwd, bwd)
+    shards = vary_over_replicas(shards, ctx.comm)
     return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)

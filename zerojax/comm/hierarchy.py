@@ -1,0 +1,147 @@
+"""Which mesh axes each collective runs over, and the ZeRO++ / MiCS variants of them.
+
+`Comm` is the one description the model hook, the per-layer gather and the step share: the axes
+the state is split over (`shard`, outermost first), the axes it is replicated over (`replica`:
+MiCS groups), the batch axes (`data`: all of them, in mesh order), and the ZeRO++ options:
+- qwZ (`weight_bits=8`): weight all-gathers move int8 blocks plus fp32 scales;
+- qgZ (`grad_bits=4|8`): gradient reduce-scatters are quantized all-to-alls, one mesh level
+  at a time (`comm.quant.quantized_reduce_scatter`);
+- hpZ (`secondary='local'`): a layer keeps, after its forward gather, the slice of the full
+  weight that is this device's shard over the node's devices only, and backward re-gathers it
+  inside the node.
+The functions below run inside `shard_map` on one device's values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from zerojax.comm.quant import quantized_all_gather, quantized_reduce_scatter
+from zerojax.config import ZeroConfig, ZeroError
+
+NODE, LOCAL = "node", "local"
+
+
+def axis_name(axes):
+    """A PartitionSpec / collective axis name for `(name, size)` pairs: one name or a tuple."""
+    names = tuple(name for name, _ in axes)
+    return names[0] if len(names) == 1 else names
+
+
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """Axes and options of zerojax's explicit collectives (see the module docstring)."""
+    shard: tuple                  # ((axis, size), ...) the state is split over, outermost first
+    data: tuple                   # ((axis, size), ...) the batch is split over, mesh order
+    replica: tuple = ()           # ((axis, size), ...) MiCS: state replicated over these
+    weight_bits: int = 0          # 8: qwZ
+    weight_block: int = 256
+    grad_bits: int = 0            # 4 or 8: qgZ
+    grad_block: int = 32
+    secondary: str | None = None  # hpZ: the axis of the secondary copy
+
+    @property
+    def shard_axis(self):
+        return axis_name(self.shard)
+
+    @property
+    def data_axis(self):
+        return axis_name(self.data)
+
+    @property
+    def shard_size(self) -> int:
+        return math.prod(size for _, size in self.shard)
+
+    @property
+    def data_size(self) -> int:
+        return math.prod(size for _, size in self.data)
+
+
+def comm_for(mesh, cfg: ZeroConfig) -> Comm:
+    """The `Comm` of `cfg` on `mesh`: its `axis` on a 1-D (or any) mesh that has it; on a
+    ('node', 'local') mesh, both axes (MiCS: 'local' only, replicated over 'node')."""
+    sizes = dict(mesh.shape)
+    hierarchical = NODE in sizes and LOCAL in sizes
+    if hierarchical:
+        data = tuple((a, sizes[a]) for a in mesh.axis_names if a in (NODE, LOCAL))
+        shard = ((LOCAL, sizes[LOCAL]),) if cfg.mics_shard_size > 0 else data
+    else:
+        names = cfg.axis if isinstance(cfg.axis, tuple) else (cfg.axis,)
+        missing = [a for a in names if a not in sizes]
+        if missing:
+            raise ZeroError(f"the mesh has axes {tuple(mesh.axis_names)}, not the config's axis "
+                            f"{cfg.axis!r}; pass axis= to match the mesh, or use "
+                            "zj.make_mesh(local=...) for a ('node', 'local') mesh.")
+        data = shard = tuple((a, sizes[a]) for a in names)
+    if (cfg.hpz_partition_size > 1 or cfg.mics_shard_size > 0) and not hierarchical:
+        raise ZeroError("hpZ (zero_hpz_partition_size) and MiCS (mics_shard_size) need a "
+                        "('node', 'local') mesh: pass mesh=zj.make_mesh(local=...) or leave "
+                        "mesh unset so zerojax builds one.")
+    for option, size in (("zero_hpz_partition_size", cfg.hpz_partition_size),
+                         ("mics_shard_size", cfg.mics_shard_size)):
+        if size > 1 and sizes[LOCAL] != size:
+            raise ZeroError(f"{option}={size} must equal the mesh's 'local' axis size "
+                            f"({sizes[LOCAL]}): the group is the devices of one node.")
+    replica = tuple(pair for pair in data if pair not in shard)
+    return Comm(shard=shard, data=data, replica=replica,
+                weight_bits=8 if cfg.quantized_weights else 0,
+                weight_block=cfg.quantized_weights_block,
+                grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
+                grad_block=cfg.quantized_gradients_block,
+                secondary=LOCAL if cfg.hpz_partition_size > 1 else None)
+
+
+def gather_weight(x, dim, comm: Comm, dtype):
+    """This device's shard `x` (already in the compute dtype `dtype`) gathered along `dim`
+    over the shard axes: int8 blocks with qwZ, else as is. `dim` None: `x` is whole."""
+    if dim is None:
+        return x
+    if comm.weight_bits and jnp.issubdtype(x.dtype, jnp.floating):
+        return quantized_all_gather(x, comm.shard_axis, dim, comm.weight_block, dtype)
+    return jax.lax.all_gather(x, comm.shard_axis, axis=dim, tiled=True)
+
+
+def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
+    """One device's gradient summed over all devices: split along `dim` over the shard axes
+    (a reduce-scatter; quantized all-to-alls with qgZ) then summed over the replica axes, or,
+    when `dim` is None, all-reduced whole. `replicas=False` leaves out the replica sum (for
+    leaves made per-replica by `vary_over_replicas`, whose transpose does it). `reduce_dtype`
+    (None keeps it) is the dtype of the unquantized collectives. The one place where zerojax
+    reduces gradients."""
+    if reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
+        g = g.astype(reduce_dtype)
+    replica = axis_name(comm.replica) if comm.replica and replicas else None
+    if dim is None:
+        return jax.lax.psum(g, comm.data_axis if replica else comm.shard_axis)
+    if comm.grad_bits and jnp.issubdtype(g.dtype, jnp.floating):
+        g = quantized_reduce_scatter(g, dim, comm.shard, comm.grad_bits,
+                                     comm.grad_block).astype(g.dtype)
+    else:
+        g = jax.lax.psum_scatter(g, comm.shard_axis, scatter_dimension=dim, tiled=True)
+    return jax.lax.psum(g, replica) if replica else g
+
+
+def vary_over_replicas(tree, comm: Comm):
+    """MiCS: parameter shards (replicated over the replica axes) cast to per-replica values
+    before a layer uses them, so that autodiff sums their gradients over the replicas (the
+    transpose of this cast is that psum) wherever the layer runs (a scan body included)."""
+    if not comm.replica:
+        return tree
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.pcast(x, axis_name(comm.replica), to="varying"), tree)
+
+
+def secondary_shard(full, dim, comm: Comm):
+    """hpZ: this device's slice of a gathered weight over the node's devices only (1/local of
+    it), kept for backward instead of re-gathering across nodes."""
+    size = full.shape[dim] // dict(comm.shard)[comm.secondary]
+    start = jax.lax.axis_index(comm.secondary) * size
+    return jax.lax.dynamic_slice_in_dim(full, start, size, axis=dim)
+
+
+def gather_secondary(x, dim, comm: Comm):
+    """hpZ: the full weight from the node's secondary shards (an all-gather inside the node)."""
+    return jax.lax.all_gather(x, comm.secondary, axis=dim, tiled=True)
