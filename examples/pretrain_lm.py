@@ -210,7 +210,9 @@ def main(argv=None):
         f"{zero.config.offload_optimizer} / param {zero.config.offload_param}\n"
         f"  per device: state at rest {mib(sum(report.resident.values()))}, host "
         f"{mib(sum(report.host_resident.values()))}, compiled peak {mib(report.peak_bytes)}; "
-        f"communication {mib(sum(c.buffer_bytes for c in report.collectives))} per step\n"
+        f"communication {mib(report.sent_bytes)} sent per step"
+        + (f" ({mib(report.cross_node_bytes)} across nodes)" if "node" in zero.mesh.shape
+           else "") + "\n"
         f"  {args.steps} steps of {args.batch_size} x {cfg.seq_len} tokens, lr {args.lr} "
         f"(warmup {args.warmup}, cosine), log {args.log_dir}")
 

@@ -71,6 +71,18 @@ def test_restores_onto_any_mesh_stage_precision_offload(saved, devices, options)
     assert np.isfinite(float(metrics["loss"]))
 
 
+@pytest.mark.parametrize("options", [
+    dict(precision="bf16", quantized_weights=True, hpz_partition_size=4,
+         quantized_gradients=True), dict(mics_shard_size=4)], ids=["zeropp", "mics"])
+def test_restores_onto_a_node_local_mesh(saved, options):
+    directory, truth = saved
+    zero = zj.zero_shard(stage=3, persistence_threshold=0, **options)   # mesh (node 2, local 4)
+    state, _ = zj.CheckpointManager(directory, zero).restore(ABSTRACT)
+    _assert_equal(_host(canonical_tree(state)), truth)
+    state, metrics = zero(train_step)(state, batch(2))
+    assert np.isfinite(float(metrics["loss"]))
+
+
 def test_fp32_restore_gives_the_same_next_loss_everywhere(saved):
     directory, _ = saved
     losses = {}

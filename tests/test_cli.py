@@ -41,7 +41,20 @@ def test_plan_table_and_bad_input():
     out = _plan("--preset", "tiny", "--devices", "4", "--stage", "3", "--device-memory",
                 "1MB", "--no-offload")
     assert out.returncode == 0 and "cheapest that fits 0.001 GB: none" in out.stdout
-    bad = _plan("--preset", "tiny", "--mesh", "2x4")
-    assert bad.returncode == 2 and "not supported yet" in bad.stderr
+    bad = _plan("--preset", "tiny", "--mesh", "3x3")
+    assert bad.returncode != 0 and "NODES x LOCAL = --devices 8" in bad.stderr
     unknown = _plan("--preset", "13b")
     assert unknown.returncode == 2 and "unknown preset" in unknown.stderr
+
+
+def test_plan_on_a_node_local_mesh_counts_cross_node_bytes():
+    out = _plan("--preset", "tiny", "--mesh", "2x4", "--stage", "3", "--no-offload", "--json",
+                "--device-memory", "1GB")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["zeropp"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == {"none", "qwZ+hpZ+qgZ", "MiCS"}
+    assert all(r["mesh"] == {"node": 2, "local": 4} for r in rows.values())
+    plain, zeropp = rows["none"], rows["qwZ+hpZ+qgZ"]
+    assert plain["cross_node_bytes"] == plain["comm_sent_bytes"]   # every group spans nodes
+    assert zeropp["cross_node_bytes"] < 0.3 * plain["cross_node_bytes"]
+    assert rows["MiCS"]["at_rest_bytes"] > plain["at_rest_bytes"]  # sharded over 4, not 8

@@ -35,7 +35,8 @@ def plan_parser(sub) -> None:
                        description=__doc__.split("\n\n")[2].replace("\n", " "))
     p.add_argument("--preset", default="tiny", help="example LM preset (tiny ... 7b)")
     p.add_argument("--devices", type=int, default=8, help="data-parallel devices N")
-    p.add_argument("--mesh", help="mesh shape; only 1-D ('8' or '1x8') until ZeRO++ lands")
+    p.add_argument("--mesh", help="NODESxLOCAL, e.g. 2x4: a ('node', 'local') mesh (counts "
+                   "cross-node bytes, adds ZeRO++ and MiCS rows at stage 3); '8' or '1x8': 1-D")
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per device per step")
@@ -51,11 +52,25 @@ def plan_parser(sub) -> None:
     p.add_argument("--dump-hlo", metavar="DIR", help="write partitioned and optimized HLO")
 
 
+def _mesh_local(args) -> int | None:
+    """Devices per node from --mesh NODESxLOCAL (None: a 1-D mesh); exits on a bad shape."""
+    if not args.mesh:
+        return None
+    m = re.fullmatch(r"(?:(\d+)x)?(\d+)", args.mesh)
+    nodes, local = (int(m.group(1) or 1), int(m.group(2))) if m else (0, 0)
+    if not m or nodes * local != args.devices:
+        raise SystemExit(f"zerojax plan: --mesh {args.mesh!r} must be NODESxLOCAL with NODES x "
+                         f"LOCAL = --devices {args.devices} (e.g. 2x{args.devices // 2}).")
+    return local if nodes > 1 else None
+
+
+ZEROPP = {"qwZ+hpZ+qgZ": lambda local: dict(quantized_weights=True, hpz_partition_size=local,
+                                            quantized_gradients=True),
+          "MiCS": lambda local: dict(mics_shard_size=local)}
+
+
 def plan(args) -> int:
-    if args.mesh and not re.fullmatch(rf"(1x)?{args.devices}", args.mesh):
-        print(f"zerojax plan: mesh {args.mesh!r} is not supported yet: hierarchical "
-              "('node', 'local') meshes arrive with ZeRO++; use --devices N.", file=sys.stderr)
-        return 2
+    local = _mesh_local(args)
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -82,19 +97,24 @@ def plan(args) -> int:
                [zj.ZeroConfig(stage=s, precision=args.precision,
                               **{k: v for k, v in offload.items() if k.startswith("offload")})
                 for s in stages for offload in OFFLOADS[1:] if s >= offload["min_stage"]
-                and not args.no_offload])
+                and not args.no_offload] +
+               [zj.ZeroConfig(stage=3, precision=args.precision, **variant(local))
+                for variant in ZEROPP.values() if local and 3 in stages])
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
     rows = []
     for cfg_z in configs:
-        zero = zj.zero_shard(config=cfg_z, mesh=zj.make_mesh(jax.devices()[:args.devices]))
+        group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
+        zero = zj.zero_shard(config=cfg_z, mesh=zj.make_mesh(
+            jax.devices()[:args.devices], local=group if group and group > 1 else None))
         state = zero.eval_shape(init_fn, jax.random.key(0))
-        offload = _offload_name(cfg_z)
+        offload, zeropp = _offload_name(cfg_z), _zeropp_name(cfg_z)
         dump = (os.path.join(args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}_"
-                             f"offload-{offload}") if args.dump_hlo else None)
+                             f"offload-{offload}_{zeropp}") if args.dump_hlo else None)
         rep = zero.report(zero(train_step), state, batch, dump_to=dump)
         rows.append({
-            "stage": cfg_z.stage, "offload": offload, "precision": cfg_z.precision,
+            "stage": cfg_z.stage, "offload": offload, "zeropp": zeropp,
+            "precision": cfg_z.precision, "mesh": dict(zero.mesh.shape),
             "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
             "peak_bytes": rep.peak_bytes, "peak_bound_bytes": rep.peak_bound_bytes,
             "at_rest_bytes": sum(rep.resident.values()),
@@ -102,7 +122,8 @@ def plan(args) -> int:
             "host_bytes": sum(rep.host_resident.values()),
             "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
             "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
-            "cross_node_bytes": None,       # a 1-D mesh has no node boundary to count
+            # a 1-D mesh has no node boundary to count
+            "cross_node_bytes": int(rep.cross_node_bytes) if "node" in zero.mesh.shape else None,
             "fits": None if args.device_memory is None else
             rep.peak_bound_bytes <= args.device_memory,
         })
@@ -119,23 +140,29 @@ def _print_table(rows, args, cfg) -> None:
     print(f"preset {args.preset}: {rows[0]['params']:,} parameters, {cfg.n_layers} layers "
           f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
           f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}")
-    print(f"{'stage':>5} {'offload':>15} {'precision':>9} {'at rest ' + unit:>11} "
+    cross = rows[0]["cross_node_bytes"] is not None
+    print(f"{'stage':>5} {'offload':>15} {'ZeRO++':>12} {'at rest ' + unit:>11} "
           f"{'peak ' + unit:>9} {'bound ' + unit:>9} {'host ' + unit:>9} "
-          f"{'comm ' + unit + '/step':>13}  fits")
+          f"{'sent ' + unit + '/step':>13}" + (f"{'cross-node':>11}" if cross else "") + "  fits")
     for r in rows:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
-        print(f"{r['stage']:>5} {r['offload']:>15} {r['precision']:>9} "
+        print(f"{r['stage']:>5} {r['offload']:>15} {r['zeropp']:>12} "
               f"{gib(r['at_rest_bytes']):>11} {gib(r['peak_bytes'])} "
               f"{gib(r['peak_bound_bytes'])} {gib(r['host_bytes'])} "
-              f"{gib(r['comm_bytes']):>13}  {fits}")
+              f"{gib(r['comm_sent_bytes']):>13}" +
+              (f"{gib(r['cross_node_bytes']):>11}" if cross else "") + f"  {fits}")
     print("per device. at rest: state in device memory between steps; peak: compiled arguments "
           "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
-          "host: offloaded state in pinned host memory. Offload rows update on the host.")
+          "host: offloaded state in pinned host memory. Offload rows update on the host. sent: "
+          "bytes one device sends per step (ring algorithms); cross-node: of which in "
+          "collectives whose groups span nodes.")
     if args.device_memory is not None:
         best = cheapest(rows)
         print(f"cheapest that fits {args.device_memory / 1e9:g} GB: " +
-              (f"stage {best['stage']}, offload {best['offload']} (no offload before offload, "
-               "then fewest bytes sent per device)" if best else
+              (f"stage {best['stage']}, offload {best['offload']}, ZeRO++ {best['zeropp']} (no "
+               "offload before offload, then fewest cross-node bytes, then fewest bytes sent "
+               "per device; ZeRO++ quantizes weights and gradients, MiCS keeps more state per "
+               "device)" if best else
                "none; add devices, lower the batch or sequence length"))
 
 
@@ -144,8 +171,9 @@ def cheapest(rows):
     per device (an all-reduce sends twice what a reduce-scatter does), then the lowest peak."""
     rank = {name: i for i, name in enumerate(o["name"] for o in OFFLOADS)}
     fitting = [r for r in rows if r["fits"]]
-    return min(fitting, key=lambda r: (rank[r["offload"]], r["comm_sent_bytes"],
-                                       r["peak_bound_bytes"]), default=None)
+    return min(fitting, key=lambda r: (rank[r["offload"]], r["cross_node_bytes"] or 0,
+                                       r["comm_sent_bytes"], r["peak_bound_bytes"]),
+               default=None)
 
 
 OFFLOADS = (
@@ -154,6 +182,14 @@ OFFLOADS = (
     {"name": "optimizer+param", "min_stage": 3, "offload_optimizer": "cpu",
      "offload_param": "cpu", "offload_update": "host"},
 )
+
+
+def _zeropp_name(cfg) -> str:
+    """'none', or the ZeRO++ techniques / MiCS a config turns on, e.g. 'qwZ+hpZ+qgZ'."""
+    names = [n for n, on in (("qwZ", cfg.quantized_weights), ("hpZ", cfg.hpz_partition_size > 1),
+                             ("qgZ", cfg.quantized_gradients), ("MiCS", cfg.mics_shard_size > 0))
+             if on]
+    return "+".join(names) or "none"
 
 
 def _offload_name(cfg) -> str:
