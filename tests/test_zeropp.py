@@ -123,8 +123,10 @@ def test_unquantized_options_train_exactly_like_one_device(options, scan):
                                      dict(quantized_gradients=True),
                                      dict(quantized_gradients=True, quantized_gradients_bits=8),
                                      dict(quantized_weights=True, hpz_partition_size=4,
-                                          quantized_gradients=True)],
-                         ids=["qwZ", "qgZ-int4", "qgZ-int8", "all"])
+                                          quantized_gradients=True),
+                                     dict(quantized_weights=True, quantized_gradients=True,
+                                          mics_shard_size=4)],
+                         ids=["qwZ", "qgZ-int4", "qgZ-int8", "all", "MiCS+qwZ+qgZ"])
 def test_quantized_options_train_close_to_one_device(options):
     # learnable data (counting sequences from random starts) and Adam: the loss falls fast
     rng = np.random.default_rng(0)
@@ -218,6 +220,14 @@ def test_deepspeed_keys_set_the_options():
 def test_bad_options_are_named(options, message):
     with pytest.raises(zj.ZeroError, match=message):
         zj.ZeroConfig(**options)
+
+
+def test_hpz_without_gather_on_use_modules_says_it_has_nothing_to_do():
+    from common import batches, make_init as gpt_init, train_step as gpt_step
+    zero = zj.zero_shard(stage=3, hpz_partition_size=4)       # the demo GPT wraps no layers
+    state = zero.init(gpt_init(optax.sgd(0.1)), jax.random.key(0))
+    with pytest.warns(UserWarning, match="hpz_partition_size has nothing to do"):
+        zero(gpt_step)(state, batches(1)[0])
 
 
 def test_meshes_that_do_not_fit_the_options_are_refused():

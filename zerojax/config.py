@@ -48,12 +48,13 @@ class ZeroConfig:
     of the same path and shape follow their parameter's rule."""
 
     prefetch: int = 1
-    """Stage 3, layers wrapped with `zj.flax.gather_on_use`: how many layers ahead a layer's
-    all-gather may be issued (0 or 1). 1 lets the next layer's gather run while this layer
-    computes, at the cost of one more layer of gathered weights alive (DeepSpeed prefetches by
-    bucket size; one layer is the unit here). 0 gathers each layer only once its input exists.
-    Unrolled stacks get this from a data dependency on the previous layer's input; scanned
-    stacks (one traced body) from XLA's collective pipeliner on GPU (set by zerojax.xla_flags)."""
+    """Stage 3, modules wrapped with `zj.flax.gather_on_use`: how many modules ahead a module's
+    all-gather may be issued (0 or 1). 1 lets the next module's gather run while this one
+    computes, at the cost of one more module of gathered weights alive (DeepSpeed prefetches
+    by bucket size; the wrapped module is the unit here). 0 gathers each module only once its
+    input exists. Unrolled stacks get this from a data dependency on the previous module's
+    input; in a scanned body (one traced loop body) the first module's gather is left to XLA's
+    collective pipeliner on GPU (set by zerojax.xla_flags) and later ones wait for their input."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around

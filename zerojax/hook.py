@@ -12,6 +12,7 @@ scale and the parameter gradients are divided by it (in fp32) as they leave.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -73,6 +74,11 @@ def hooked_apply_fn(apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set
         # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
         claimed = _claimed(apply_fn, variables, args, kwargs, flat_vars) if cfg.stage == 3 \
             else [False] * len(leaves)
+        if comm.secondary and not any(claimed):
+            warnings.warn("zerojax: hpz_partition_size has nothing to do: the model has no "
+                          "zj.flax.gather_on_use modules, so its parameters are gathered once "
+                          "per step and kept for backward (no backward gather to keep inside "
+                          "the node). Wrap its layers with gather_on_use.", stacklevel=2)
         whole = [i for i, c in enumerate(claimed) if not c]
         compute = _compute_dtypes(variables, cfg)
         copies = device_copies(tuple(leaves[i] for i in whole), scale,

@@ -8,8 +8,10 @@ gradient at once and drops the gathered copy. Each gather is made to depend on t
 input (forward) or cotangent (backward), so XLA cannot issue them all up front, and the
 backward gather cannot be merged with the forward one. With `prefetch=1` an unrolled layer's
 gather depends instead on the previous gathered layer's input (cotangent in backward), so it
-can run while that layer computes; a scanned layer has no such anchor inside its loop body, and
-XLA's collective pipeliner (GPU) may move the next iteration's gather into the current one.
+can run while that layer computes. Inside a scanned loop body the first gathered module has no
+anchor (XLA's collective pipeliner, on GPU, may move the next iteration's gather into the
+current one) and the modules after it in the body wait for their own input, so the body holds
+one module's weights at a time.
 With `offload_activations`, the one activation a layer saves for backward, its input, is kept
 in pinned host memory until its backward needs it. ZeRO++: the gathers may move int8 blocks
 (qwZ) and the reduce-scatters quantized blocks (qgZ), see `comm.hierarchy`; with hpZ the layer
@@ -125,17 +127,20 @@ def _depend(tree, scalar):
 
 
 def _anchor(ctx, direction: str, own, scanned: bool):
-    """What a layer's gather waits for (see the module docstring): its own input, the previous
-    gathered layer's input in the same trace (prefetch=1, unrolled), or nothing (prefetch=1,
-    scanned). Records `own` as the anchor for the next layer in `direction`."""
+    """What a module's gather waits for (see the module docstring): its own input (prefetch=0),
+    or with prefetch=1 the previous gathered module's input in the same trace (unrolled), or,
+    inside a scanned body, nothing for the body's first module (XLA's pipeliner may move its
+    gather into the previous iteration) and its own input for the modules after it (so a body
+    never holds two modules' weights). Records `own` for the next module in `direction`."""
     if ctx.prefetch == 0:
         return own
-    if scanned:
-        return None
     trace = current_trace()
     previous = ctx.anchors.get(direction)
     ctx.anchors[direction] = (trace, own)
-    return previous[1] if previous is not None and previous[0] == trace else own
+    same_trace = previous is not None and previous[0] == trace
+    if scanned:
+        return own if same_trace else None
+    return previous[1] if same_trace else own
 
 
 def _gather(shards, dims, ctx):

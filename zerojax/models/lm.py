@@ -6,6 +6,7 @@ rematerialised. It knows nothing of ZeRO: zerojax wraps its unchanged train step
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -80,17 +81,37 @@ class Attention(nn.Module):
         return nn.DenseGeneral(cfg.d_model, axis=(-2, -1), use_bias=False, name="out")(out)
 
 
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, h):
+        cfg = self.cfg
+        gate = nn.Dense(cfg.d_ff, use_bias=False, name="gate")(h)
+        up = nn.Dense(cfg.d_ff, use_bias=False, name="up")(h)
+        return nn.Dense(cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+@functools.cache
+def _gathered(cls):
+    """`cls` gathered on use: under zerojax stage 3 its weights exist whole only while it runs."""
+    return gather_on_use(cls)
+
+
 class Block(nn.Module):
+    """Pre-norm attention + SwiGLU MLP. Without remat, attention and MLP are gathered as
+    separate units (as DeepSpeed gathers each submodule: a layer never holds all its weights
+    at once; each unit is recomputed in backward from its input). With remat, the LM
+    rematerialises and gathers the whole block as one unit (saving only the block's input)."""
     cfg: LMConfig
 
     @nn.compact
     def __call__(self, x, _=None):
         cfg = self.cfg
-        x = x + Attention(cfg)(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
-        h = nn.RMSNorm(epsilon=cfg.norm_eps)(x)
-        gate = nn.Dense(cfg.d_ff, use_bias=False, name="gate")(h)
-        up = nn.Dense(cfg.d_ff, use_bias=False, name="up")(h)
-        x = x + nn.Dense(cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
+        unit = (lambda cls: cls) if cfg.remat else _gathered
+        x = x + unit(Attention)(cfg, name="Attention_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
+        x = x + unit(MLP)(cfg, name="MLP_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
         return (x, None) if cfg.scan_layers else x
 
 
@@ -103,9 +124,8 @@ class LM(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
                          name="embed")
         x = embed(tokens)
-        # gather_on_use: under zerojax stage 3 each layer gathers its weights only while it runs
-        block = gather_on_use(nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat
-                              else Block)
+        block = _gathered(nn.remat(Block, prevent_cse=not cfg.scan_layers)) if cfg.remat \
+            else Block
         if cfg.scan_layers:
             stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                             length=cfg.n_layers)
