@@ -120,3 +120,10 @@ def test_collectives_in_a_loop_count_once_per_iteration():
     found = parse_collectives(LOOP_HLO, 8)
     assert sorted((c.kind, c.buffer_bytes) for c in found) == \
         [("all-gather", 64 * 16 * 4)] * 6 + [("all-reduce", 16)]
+
+
+def test_report_on_one_device_has_nothing_to_partition_and_sends_nothing():
+    zero = zj.zero_shard(stage=3, mesh=zj.make_mesh(jax.devices()[:1]))
+    state = zero.init(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
+    rep = zero.report(zero(train_step), state, batches(1, batch_size=2, cfg=CFG)[0])
+    assert rep.peak_bytes > 0 and rep.sent_bytes == 0 and rep.cross_node_bytes == 0

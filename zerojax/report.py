@@ -271,12 +271,15 @@ def resident_bytes(zero, state, device=None):
     return dict(by_cat), dict(on_host), kept
 
 
-def compile_with_partitioned_hlo(lowered):
-    """(compiled executable, text of the HLO module right after SPMD partitioning)."""
+def compile_with_partitioned_hlo(lowered, devices: int):
+    """(compiled executable, text of the HLO module right after SPMD partitioning; on one
+    device, where nothing is partitioned, the compiled module)."""
     with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
         compiled = lowered.compile({"xla_dump_to": tmp,
                                     "xla_dump_hlo_pass_re": "spmd-partitioning"})
         found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+        if not found and devices == 1:
+            return compiled, compiled.as_text()   # one device: nothing to partition
         if not found:
             raise RuntimeError("XLA wrote no module after SPMD partitioning; cannot count "
                                "collectives at their sent dtype.")
@@ -289,7 +292,8 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
     k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
-    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra))
+    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra),
+                                                 zero.mesh.size)
     if dump_to:
         for suffix, text in ((".partitioned.hlo.txt", hlo),
                              (".optimized.hlo.txt", compiled.as_text())):
@@ -301,7 +305,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
         micro, micro_hlo = compile_with_partitioned_hlo(
-            step.lower(state, batch, *extra, micro=True))
+            step.lower(state, batch, *extra, micro=True), zero.mesh.size)
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
     resident, host, kept = resident_bytes(zero, state)
