@@ -14,9 +14,7 @@ the gradient and then all-gathers the updated bf16 parameters (2M + M). Writes
 bench/results/peers_comm.json and .png.
 """
 import argparse
-import json
 import os
-import pathlib
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -29,8 +27,8 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
+from benchlib import write_results  # noqa: E402
 
-ROOT = pathlib.Path(__file__).parent.parent
 RING = 7 / 8
 ZEROPP = dict(quantized_weights=True, hpz_partition_size=4, quantized_gradients=True)
 VARIANTS = {   # name: (options, formula for all bytes in M, formula across nodes in M)
@@ -71,14 +69,7 @@ def main():
               f" ({f(formula_cross):>4})   " +
               ", ".join(f"{k} {v['sent_M']:.2f}" for k, v in by.items() if v["sent_M"] >= 0.01),
               flush=True)
-    out = ROOT / "bench" / "results" / "peers_comm"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"preset": args.preset, "rows": rows},
-                                                   indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def draw(plt):
         fig, ax = plt.subplots(figsize=(8, 4))
         names = list(rows)
         ax.barh(names, [rows[n]["sent_M"] for n in names], color="#bbb", label="all")
@@ -88,11 +79,8 @@ def main():
         ax.set_xlabel("bytes sent per device per step, in M = one bf16 model copy")
         ax.set_title(f"'{args.preset}' on (node 2, local 4)")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("(matplotlib not installed: no chart)")
-    print(f"wrote {out.with_suffix('.json')}")
+        return fig
+    write_results("peers_comm", {"preset": args.preset, "rows": rows}, draw)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,7 @@ temporaries), and two formulas for the same Ψ and N:
 Writes bench/results/peers_memory.json and .png.
 """
 import argparse
-import json
 import os
-import pathlib
 import sys
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -32,9 +30,9 @@ import optax  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
+from benchlib import write_results  # noqa: E402
 
 N = 8
-ROOT = pathlib.Path(__file__).parent.parent
 CONTENDERS = {
     "stage 0": dict(stage=0), "stage 1": dict(stage=1), "stage 2": dict(stage=2),
     "stage 3": dict(stage=3),
@@ -89,28 +87,19 @@ def main():
     print(f"{'preset':>6} {'contender':<18}{'at rest':>10}{'peak':>10}{'paper':>10}{'ratio':>8}"
           f"{'DeepSpeed':>11}{'ratio':>8}")
     rows = [row for preset in args.presets for row in measure(preset)]
-    out = ROOT / "bench" / "results" / "peers_memory"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, len(args.presets), figsize=(4 * len(args.presets), 3.5))
-        for ax, preset in zip(axes if len(args.presets) > 1 else [axes], args.presets):
+    def draw(plt):
+        fig, axes = plt.subplots(1, len(args.presets), figsize=(4 * len(args.presets), 3.5),
+                                 squeeze=False)
+        for ax, preset in zip(axes[0], args.presets):
             sub = [r for r in rows if r["preset"] == preset]
             names = [r["contender"] for r in sub]
             ax.barh(names, [r["peak"] / 2**20 for r in sub], label="peak", color="#bbb")
             ax.barh(names, [r["at_rest"] / 2**20 for r in sub], label="at rest", color="#36c")
             ax.set_title(f"{preset} ({sub[0]['params'] / 1e6:.1f}M params), N = {N}")
             ax.set_xlabel("MiB per device")
-        axes_first = axes[0] if len(args.presets) > 1 else axes
-        axes_first.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("(matplotlib not installed: no chart)")
-    print(f"wrote {out.with_suffix('.json')}")
+        axes[0][0].legend()
+        return fig
+    write_results("peers_memory", rows, draw)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,10 @@
 Writes bench/results/peers_scaling.json and .png.
 """
 import argparse
-import json
-import os
 import pathlib
-import subprocess
 import sys
+
+from benchlib import run_with_devices, write_results
 
 ROOT = pathlib.Path(__file__).parent.parent
 PRESETS = ["7b", "1.3b", "350m", "125m", "small", "tiny"]   # largest first
@@ -71,18 +70,6 @@ def worker(n: int, budget: int) -> dict:
     return out
 
 
-def run(n: int, budget: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    code = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
-            f"from peers_scaling import worker; print(json.dumps(worker({n}, {budget})))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=1800, cwd=ROOT)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main():
     sys.path.insert(0, str(ROOT))
     from zerojax.cli import parse_bytes
@@ -93,20 +80,13 @@ def main():
     print(f"{'N':>2}{'peak MiB':>10}{'s/step':>8}   largest stage-3 preset within "
           f"{args.budget / 1e9:g} GB: no offload / optimizer offloaded")
     for n in (1, 2, 4, 8):
-        r = run(n, args.budget)
+        r = run_with_devices(n, "peers_scaling", f"worker({n}, {args.budget})")
         rows.append(r)
         fit = lambda k: (f"{r['fits'][k]['preset']} ({r['fits'][k]['peak_bound_bytes'] / 2**30:.1f}"
                          " GiB)") if k in r["fits"] else "none"
         print(f"{n:>2}{r['peak_bytes'] / 2**20:10.2f}{r['step_s']:8.3f}   {fit('none')} / "
               f"{fit('offload')}", flush=True)
-    out = ROOT / "bench" / "results" / "peers_scaling"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"budget": args.budget, "rows": rows},
-                                                   indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def draw(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
         ns = [r["n"] for r in rows]
         a.plot(ns, [r["peak_bytes"] / 2**20 for r in rows], "o-")
@@ -120,11 +100,8 @@ def main():
         b.set_ylabel(f"largest preset fitting {args.budget / 1e9:g} GB (B params)")
         b.set_xscale("log", base=2)
         b.legend()
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("(matplotlib not installed: no chart)")
-    print(f"wrote {out.with_suffix('.json')}")
+        return fig
+    write_results("peers_scaling", {"budget": args.budget, "rows": rows}, draw)
 
 
 if __name__ == "__main__":

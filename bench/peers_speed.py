@@ -21,8 +21,11 @@ import statistics
 import subprocess
 import sys
 
+from benchlib import run_with_devices, write_results
+
 ROOT = pathlib.Path(__file__).parent.parent
-TORCH_LM = os.environ.get("ZEROJAX_TORCH_LM", str(ROOT.parent / "shared" / "peers" / "torch_lm.py"))
+TORCH_LM = os.environ.get("ZEROJAX_TORCH_LM",
+                          str(ROOT.parent / "shared" / "peers" / "torch_lm.py"))
 SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
 JAX = {"zerojax stage 0": dict(stage=0), "zerojax stage 3": dict(stage=3),
        "jit FSDP": dict(stage=3, explicit_collectives=False)}
@@ -58,16 +61,7 @@ def jax_worker(options: dict, steps: int) -> dict:
 
 
 def run_jax(options: dict, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    code = (f"import sys, json; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
-            f"from peers_speed import jax_worker; "
-            f"print(json.dumps(jax_worker({options!r}, {steps})))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900, cwd=ROOT)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_with_devices(8, "peers_speed", f"jax_worker({options!r}, {steps})", timeout=900)
 
 
 def run_torch(mode: str, steps: int) -> dict:
@@ -118,14 +112,7 @@ def main():
               f"({row['stage3_ratio_range'][0]:.2f}..{row['stage3_ratio_range'][1]:.2f})")
     s3_s0 = ours["step_s"] / rows["zerojax stage 0"]["step_s"]
     print(f"zerojax stage 3 / stage 0 step time: {s3_s0:.2f} (target <= 1.3)")
-    out = ROOT / "bench" / "results" / "peers_speed"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(
-        {"shape": SHAPE, "rows": rows, "stage3_over_stage0_step_time": s3_s0}, indent=1))
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = list(rows)
         ax.barh(names, [rows[n]["tokens_per_s"] for n in names],
@@ -133,11 +120,9 @@ def main():
                       [tokens / rows[n]["step_s_min"] - rows[n]["tokens_per_s"] for n in names]])
         ax.set_xlabel("tokens/s (median of round medians; bars: spread)")
         ax.set_title("same LM, 8 devices/processes, one CPU machine")
-        fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
-    except ImportError:
-        print("(matplotlib not installed: no chart)")
-    print(f"wrote {out.with_suffix('.json')}")
+        return fig
+    write_results("peers_speed", {"shape": SHAPE, "rows": rows,
+                                  "stage3_over_stage0_step_time": s3_s0}, draw)
 
 
 if __name__ == "__main__":
