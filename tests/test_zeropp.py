@@ -119,15 +119,18 @@ def test_unquantized_options_train_exactly_like_one_device(options, scan):
     assert_params_close(state.params, ref.params)
 
 
-@pytest.mark.parametrize("options", [dict(quantized_weights=True),
-                                     dict(quantized_gradients=True),
-                                     dict(quantized_gradients=True, quantized_gradients_bits=8),
-                                     dict(quantized_weights=True, hpz_partition_size=4,
-                                          quantized_gradients=True),
-                                     dict(quantized_weights=True, quantized_gradients=True,
-                                          mics_shard_size=4)],
-                         ids=["qwZ", "qgZ-int4", "qgZ-int8", "all", "MiCS+qwZ+qgZ"])
-def test_quantized_options_train_close_to_one_device(options):
+INT4 = dict(quantized_gradients=True)          # int4 gradients: ~14% error per reduction
+QUANTIZED = {   # options, per-step relative tolerance on the loss against one device
+    "qwZ": (dict(quantized_weights=True), 1e-2),
+    "qgZ-int8": (dict(quantized_gradients=True, quantized_gradients_bits=8), 1e-2),
+    "qgZ-int4": (INT4, 3e-2),
+    "all": (dict(quantized_weights=True, hpz_partition_size=4, **INT4), 3e-2),
+    "MiCS+qwZ+qgZ": (dict(quantized_weights=True, mics_shard_size=4, **INT4), 3e-2)}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_options_train_close_to_one_device(name):
+    options, rtol = QUANTIZED[name]
     # learnable data (counting sequences from random starts) and Adam: the loss falls fast
     rng = np.random.default_rng(0)
     data = [(rng.integers(0, CFG.vocab, (16, 1)) + np.arange(CFG.seq_len + 1)) % CFG.vocab
@@ -135,9 +138,10 @@ def test_quantized_options_train_close_to_one_device(options):
     init_fn = make_init(LM(CFG), optax.adam(1e-2))
     _, ref_losses = single_device(data, init_fn)
     _, losses = train(data, init_fn, mesh=mesh(), **options)
-    print(options, "losses", np.round(losses, 4), "one device", np.round(ref_losses, 4))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-2)
-    assert losses[-1] < losses[0] - 1.0            # and it does learn
+    print(name, "losses", np.round(losses, 4), "one device", np.round(ref_losses, 4))
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
+    assert losses[-1] == pytest.approx(ref_losses[-1], rel=1e-2)   # and ends where it should
+    assert losses[-1] < losses[0] - 1.0                            # having learned
 
 
 # ---- what each option changes in the program -----------------------------------------------
