@@ -47,6 +47,13 @@ class ZeroConfig:
     (negative counts from the end) or None to keep the leaf replicated. Optimizer-state leaves
     of the same path and shape follow their parameter's rule."""
 
+    logical_rules: tuple = ()
+    """Tensor parallelism a model already declares: `(logical name, mesh axis or None)` pairs
+    (Flax's convention) mapping the names of `nn.with_logical_partitioning` / NNX `sharding`
+    metadata to mesh axes other than the ZeRO axis (e.g. `('mlp', 'model')` on a
+    ('data', 'model') mesh). Names that are mesh axes already need no rule. ZeRO then adds its
+    axis on another dimension of each leaf (see rules.py)."""
+
     prefetch: int = 1
     """Stage 3, modules wrapped with `zj.flax.gather_on_use`: how many modules ahead a module's
     all-gather may be issued (0 or 1). 1 lets the next module's gather run while this one
@@ -201,6 +208,14 @@ class ZeroConfig:
             except re.error as e:
                 raise ZeroError(f"rule regex {rule[0]!r} does not compile: {e}.") from None
         object.__setattr__(self, "rules", rules)
+        logical = tuple(tuple(r) if isinstance(r, (list, tuple)) else r
+                        for r in self.logical_rules)
+        for rule in logical:
+            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+                    and (rule[1] is None or isinstance(rule[1], (str, tuple)))):
+                raise ZeroError("each logical rule is (logical name, mesh axis or None), e.g. "
+                                f"('mlp', 'model'); got {rule!r}.")
+        object.__setattr__(self, "logical_rules", logical)
         self._check_update_options()
         self._check_offload_options()
         self._check_zeropp_options()

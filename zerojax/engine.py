@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.comm.hierarchy import comm_for
+from zerojax.flax.annotations import read_linen_boxes
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
@@ -39,6 +40,7 @@ class ZeroShard:
         self.shard_size = self.comm.shard_size       # devices that split the state
         # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
         self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
+        self.tensor = {}    # parameter path -> TensorSpec the model declares (read by `adopt`)
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
@@ -46,19 +48,27 @@ class ZeroShard:
     # ---- placement -------------------------------------------------------------------------
     def plan(self, state):
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape."""
-        return plan_state(state, self.config, self.shard_size)[1]
+        return plan_state(state, self.config, self.shard_size, self.tensor)[1]
 
     def state_shardings(self, state):
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives."""
-        specs, plans = plan_state(state, self.config, self.shard_size)
+        specs, plans = plan_state(state, self.config, self.shard_size, self.tensor)
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
         return jax.tree_util.tree_unflatten(treedef, [
             NamedSharding(self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
             for p in plans])
 
+    def adopt(self, state):
+        """`state` without the model's partitioning boxes (`nn.with_logical_partitioning`...),
+        whose tensor-parallel layouts this zero remembers for its rules."""
+        state, layouts = read_linen_boxes(state, self.mesh, self.config)
+        self.tensor.update(layouts)
+        return state
+
     def manage(self, state):
         """`state` as this config trains it: with precision, accumulation or clipping on, 16-bit
         params plus a `ZeroOptState` (master weights, buffers); otherwise unchanged."""
+        state = self.adopt(state)
         if not self.config.manages_update:
             return state
         return prepare_state(state, self.config, self.axis_size)

@@ -52,32 +52,54 @@ def path_str(path) -> str:
 
 
 def split_spec(shape, axis: str, n: int, cfg: ZeroConfig, path: str = "",
-               user_rules: bool = True) -> tuple[P, str]:
-    """Spec for a leaf that this stage shards, and the reason for the choice."""
+               user_rules: bool = True, tensor: "TensorSpec | None" = None) -> tuple[P, str]:
+    """Spec for a leaf that this stage shards, and the reason for the choice. `tensor`, the
+    leaf's tensor-parallel axes (if the model declares any), stays in the spec; the ZeRO axis
+    goes on a dimension they leave free, else joins one of theirs when the split divides."""
     ndim = len(shape)
+    tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
+    local = [size // div for size, div in zip(shape, tensor.divisors)]   # sizes after TP
     if user_rules:
         for pattern, dim in cfg.rules:
             if re.search(pattern, path):
                 if dim is None:
-                    return P(), f"replicated: rule {pattern!r}"
+                    return tensor.spec(), f"replicated: rule {pattern!r}"
                 if not -ndim <= dim < ndim:
                     raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r}, which "
                                       f"has shape {tuple(shape)}.")
                 dim %= ndim
-                if shape[dim] % n:
+                if local[dim] % n:
                     raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
                                       f"{tuple(shape)}), which does not divide by {n} devices; "
                                       "name another dim or None to replicate it.")
-                return _spec_on(dim, ndim, axis), f"sharded dim {dim} (rule {pattern!r})"
+                return tensor.spec(dim, axis), f"sharded dim {dim} (rule {pattern!r})"
     if n == 1:
-        return P(), "replicated: one device"
-    if math.prod(shape) < cfg.persistence_threshold or ndim == 0:
-        return P(), "replicated: below persistence threshold"
-    divisible = [d for d in range(ndim) if shape[d] % n == 0]
+        return tensor.spec(), "replicated: one device"
+    if math.prod(local) < cfg.persistence_threshold or ndim == 0:
+        return tensor.spec(), "replicated: below persistence threshold"
+    divisible = [d for d in range(ndim) if local[d] % n == 0]
     if not divisible:
-        return P(), f"replicated: no dim divides by {n}"
-    dim = max(divisible, key=lambda d: (shape[d], -d))
-    return _spec_on(dim, ndim, axis), f"sharded dim {dim}"
+        return tensor.spec(), f"replicated: no dim divides by {n}"
+    dim = max(divisible, key=lambda d: (tensor.axes[d] is None, local[d], -d))
+    return tensor.spec(dim, axis), f"sharded dim {dim}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A leaf's tensor-parallel layout as the model declares it: per dimension the mesh axes
+    (None, a name or a tuple of names) and how many ways they split it."""
+    axes: tuple
+    divisors: tuple
+
+    def spec(self, dim: int | None = None, axis=None) -> P:
+        """This layout as a PartitionSpec, with the ZeRO `axis` added on `dim` (outermost)."""
+        entries = list(self.axes)
+        if dim is not None:
+            names = (axis,) if isinstance(axis, str) else tuple(axis)
+            have = entries[dim]
+            have = () if have is None else (have,) if isinstance(have, str) else tuple(have)
+            entries[dim] = names[0] if not have and len(names) == 1 else (*names, *have)
+        return P(*entries) if any(e is not None for e in entries) else P()
 
 
 def _spec_on(dim: int, ndim: int, axis: str) -> P:
@@ -85,40 +107,54 @@ def _spec_on(dim: int, ndim: int, axis: str) -> P:
 
 
 def category_of(path) -> str:
-    head = key_name(path[0]) if path else ""
+    """PARAMS, OPT_STATE or OTHER from a leaf's path: the `params` / `opt_state` field or key,
+    or position 0 / 1 of a tuple state `(params, opt_state, *others)`."""
+    if not path:
+        return OTHER
+    if isinstance(path[0], jax.tree_util.SequenceKey):
+        return {0: PARAMS, 1: OPT_STATE}.get(path[0].idx, OTHER)
+    head = key_name(path[0])
     return head if head in (PARAMS, OPT_STATE) else OTHER
 
 
-def plan_state(state, cfg: ZeroConfig, axis_size: int) -> tuple[object, list[LeafPlan]]:
+def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None
+               ) -> tuple[object, list[LeafPlan]]:
     """Storage PartitionSpecs for every leaf of `state` (a pytree of arrays or ShapeDtypeStructs)
-    and the per-leaf plan. The state must hold its parameters under a `params` field or key."""
+    and the per-leaf plan. The state holds its parameters under a `params` field or key, or is a
+    tuple `(params, opt_state, ...)`. `tensor` maps parameter paths to their `TensorSpec`."""
+    tensor = tensor or {}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    params = state.get(PARAMS) if isinstance(state, dict) else getattr(state, PARAMS, None)
-    if params is not None and not jax.tree_util.tree_leaves(params):
-        raise ZeroError("the state's `params` holds no arrays: there is nothing to train or "
-                        "shard (did the model's init return empty variables?).")
-    if not any(category_of(p) == PARAMS for p, _ in leaves):
+    params = [x for p, x in leaves if category_of(p) == PARAMS]
+    if not params:
+        named = PARAMS in state if isinstance(state, dict) else hasattr(state, PARAMS)
         raise ZeroError(
+            "the state's `params` holds no arrays: there is nothing to train or shard (did the "
+            "model's init return empty variables?)." if named else
             f"the state ({type(state).__name__}) has no `params`: zerojax needs the parameters "
             "under a field or key named `params` (a flax TrainState, or a dict/dataclass with "
-            "`params` and `opt_state`).")
+            "`params` and `opt_state`), or a tuple `(params, opt_state)`.")
     param_specs = {}
     plans = []
     for path, leaf in leaves:
         cat = category_of(path)
         if cat == PARAMS:
             sub = path_str(path[1:])
-            spec, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub)
+            layout = tensor.get(sub)
+            spec, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout)
             param_specs[sub] = (tuple(leaf.shape), spec, reason)
             if cfg.stage < 3:
-                spec, reason = P(), f"replicated: stage {cfg.stage} keeps parameters whole"
+                spec = layout.spec() if layout else P()
+                reason = f"replicated: stage {cfg.stage} keeps parameters whole"
+            if layout and any(layout.axes):
+                reason += f" (tensor axes {layout.spec()})"
         elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
             spec, reason = _spec_on(0, len(leaf.shape), cfg.axis), "per-device buffer"
         elif cat == OPT_STATE and cfg.stage >= 1:
             spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
                                          axis_size)
         elif cat == OPT_STATE:
-            spec, reason = P(), "replicated: stage 0"
+            spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
+                                         axis_size, tensor_only=True)
         else:
             spec, reason = P(), "replicated: not params or optimizer state"
         plans.append(LeafPlan(path_str(path), cat, tuple(leaf.shape), str(leaf.dtype), spec,
@@ -140,14 +176,29 @@ def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
     return DEVICE
 
 
-def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int):
+def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int,
+                  tensor_only: bool = False):
     """An optimizer leaf takes the spec of the parameter whose path ends its own and whose shape
-    is its own; any other leaf (factored moments, counts) gets the default rule."""
+    is its own (`tensor_only`, stage 0: only its tensor-parallel axes); any other leaf (factored
+    moments, counts) gets the default rule."""
     for ppath in sorted(param_specs, key=len, reverse=True):  # longest matching path wins
         pshape, spec, reason = param_specs[ppath]
         if pshape == tuple(shape) and (path == ppath or path.endswith("/" + ppath)):
+            if tensor_only:
+                kept = [_without(e, cfg.axis) for e in spec]
+                return P(*kept) if any(kept) else P(), "replicated: stage 0"
             return spec, reason
+    if tensor_only:
+        return P(), "replicated: stage 0"
     return split_spec(shape, cfg.axis, n, cfg, path, user_rules=False)
+
+
+def _without(entry, axis):
+    """A spec entry with the ZeRO axis (or axes) taken out."""
+    drop = {axis} if isinstance(axis, str) else set(axis)
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept = tuple(a for a in names if a not in drop)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
 def _warn_large_replicated(plans, n):

@@ -147,12 +147,18 @@ class ZeroStep:
         view = state
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
-        if cfg.explicit_collectives and callable(original) and hasattr(state, "replace"):
+        tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
+        if (cfg.explicit_collectives and not tensor_axes and callable(original)
+                and hasattr(state, "replace")):
             view = view.replace(apply_fn=hooked_apply_fn(original, mesh, self.zero.comm, cfg,
                                                          batch_rows, calls, scale))
         elif managed and cfg.precision != "fp32":
-            raise ZeroError("16-bit precision casts parameters where state.apply_fn uses them: "
-                            "keep explicit_collectives=True and call state.apply_fn in the step.")
+            raise ZeroError(
+                "16-bit precision casts parameters where state.apply_fn uses them, which the "
+                + (f"mesh's tensor-parallel axes {tensor_axes} rule out (XLA places every "
+                   "collective there): train in fp32 with a bf16 model dtype instead."
+                   if tensor_axes else "step does not do: keep explicit_collectives=True and "
+                   "call state.apply_fn in the step."))
         with capture_gradients() as sink:
             out = self.fn(view, batch, *extra)
         self.used_explicit_collectives = bool(calls)
@@ -240,6 +246,13 @@ class ZeroStep:
         if (self.zero.config.explicit_collectives and self.used_explicit_collectives is False
                 and self.zero.config.stage >= 2 and not self._warned):
             self._warned = True
+            if self.zero.comm.tensor:
+                warnings.warn(
+                    f"zerojax: the mesh has tensor-parallel axes "
+                    f"{tuple(a for a, _ in self.zero.comm.tensor)}, so XLA's partitioner places "
+                    "every collective, ZeRO's included (explicit_collectives applies to meshes "
+                    "of ZeRO axes only).", stacklevel=3)
+                return
             warnings.warn(f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
                           "partitioner places the collectives (on CPU, stage 2 then all-reduces "
                           "the gradients instead of reduce-scattering them).", stacklevel=3)

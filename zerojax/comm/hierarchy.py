@@ -42,6 +42,7 @@ class Comm:
     grad_bits: int = 0            # 4 or 8: qgZ
     grad_block: int = 32
     secondary: str | None = None  # hpZ: the axis of the secondary copy
+    tensor: tuple = ()            # ((axis, size), ...) other mesh axes: the model's own (TP)
 
     @property
     def shard_axis(self):
@@ -86,7 +87,23 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
             raise ZeroError(f"{option}={size} must equal the mesh's 'local' axis size "
                             f"({sizes[LOCAL]}): the group is the devices of one node.")
     replica = tuple(pair for pair in data if pair not in shard)
-    return Comm(shard=shard, data=data, replica=replica,
+    tensor = tuple((a, sizes[a]) for a in mesh.axis_names if (a, sizes[a]) not in data)
+    hook_only = [name for name, on in (
+        ("quantized_weights", cfg.quantized_weights), ("quantized_gradients",
+        cfg.quantized_gradients), ("hpz_partition_size", cfg.hpz_partition_size > 1),
+        ("mics_shard_size", cfg.mics_shard_size > 0),
+        ("offload_activations", cfg.offload_activations)) if on]
+    if tensor and hook_only:
+        raise ZeroError(
+            f"{', '.join(hook_only)} need zerojax's own collectives, which a mesh with "
+            f"tensor-parallel axes {tuple(a for a, _ in tensor)} does not use (XLA places every "
+            "collective there): turn them off or use a mesh of ZeRO axes only.")
+    if tensor and cfg.accumulates_locally:
+        raise ZeroError(
+            f"local gradient accumulation runs the step per device over the whole mesh, which "
+            f"would split the model's own axes {tuple(a for a, _ in tensor)} too: use "
+            "accumulate='reduced' on a mesh with tensor-parallel axes.")
+    return Comm(shard=shard, data=data, replica=replica, tensor=tensor,
                 weight_bits=8 if cfg.quantized_weights else 0,
                 weight_block=cfg.quantized_weights_block,
                 grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
