@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.comm.hierarchy import comm_for
 from zerojax.flax.annotations import read_linen_boxes
+from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
@@ -81,10 +82,31 @@ class ZeroShard:
     def init(self, init_fn, *args, **kwargs):
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
+        nnx_objects = []
+
         def make(*a, **k):    # traced once: init_fn may build a new model object per call
-            state = jax.tree_util.tree_map(jnp.asarray, self.manage(init_fn(*a, **k)))
+            with nnx_building():
+                state = init_fn(*a, **k)
+            if is_nnx(state):
+                state = self._adopt_nnx(state, nnx_objects)
+            state = jax.tree_util.tree_map(jnp.asarray, self.manage(state))
             return to_storage(state, self.state_shardings(state))
-        return jax.jit(make)(*args, **kwargs)
+        state = jax.jit(make)(*args, **kwargs)
+        if nnx_objects:      # NNX: the same objects init_fn returned, holding the placed state
+            layout, shape_back = nnx_objects
+            return shape_back(layout.merge(state))
+        return state
+
+    def _adopt_nnx(self, out, record: list) -> dict:
+        """The dict state of the NNX objects `out`; their layout (and how to give them back)
+        goes to `record`, their sharding metadata to this zero's tensor-parallel layouts."""
+        if self.config.manages_update:
+            raise ZeroError(NNX_UNMANAGED)
+        objs, shape_back = as_objects(out)
+        layout = NnxLayout(objs)
+        self.tensor.update(layout.tensor_specs(self.mesh, self.config))
+        record[:] = [layout, shape_back]
+        return layout.to_state(objs)
 
     def eval_shape(self, init_fn, *args, **kwargs):
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,

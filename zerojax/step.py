@@ -25,6 +25,7 @@ from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, captu
                            cast_floating, present, update_metrics)
 from zerojax.comm.gather import split_dim
 from zerojax.comm.hierarchy import reduce_gradient
+from zerojax.flax.nnx import is_nnx
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
 
@@ -40,10 +41,13 @@ class ZeroStep:
         self._warned = False
         self._last_state, self._next_micro, self._min_scale_flag = None, 0, None
         self._nonfinite_flag = None   # (skipped?, step, skipped so far) of the last update
+        self._nnx = None              # the NnxStep, when called with NNX objects
         functools.update_wrapper(self, fn)
 
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, state, batch, *extra):
+        if is_nnx(state):          # fn(model, optimizer, ..., batch): see zerojax.flax.nnx
+            return self._nnx_step()(state, batch, *extra)
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(state)
@@ -81,10 +85,18 @@ class ZeroStep:
 
     def lower(self, state, batch, *extra, micro: bool = False):
         """Lower the optimizer-step variant (or, with micro=True, the accumulate-only one)."""
+        if is_nnx(state):
+            return self._nnx_step().lower(state, batch, *extra)
         jitted, _, batch = self._prepare(state, batch, extra, micro)
         lowered = jitted.lower(state, batch, *extra)
         self._warn_if_not_hooked()
         return lowered
+
+    def _nnx_step(self):
+        if self._nnx is None:
+            from zerojax.flax.nnx import NnxStep
+            self._nnx = NnxStep(self.zero, self.fn)
+        return self._nnx
 
     def _micro_index(self, state) -> int:
         cfg = self.zero.config
@@ -294,12 +306,22 @@ def _one_capture(sink):
 
 def _split(out, state):
     """(new state, the rest of the step's outputs as a tuple, or None if it returned a state)."""
-    if type(out) is type(state):
+    if _is_state(out, state):
         return out, None
-    if isinstance(out, tuple) and out and type(out[0]) is type(state):
+    if isinstance(out, tuple) and out and _is_state(out[0], state):
         return out[0], tuple(out[1:])
     raise ZeroError("a zerojax step must return the new state, or a tuple whose first item "
                     f"is the new state ({type(state).__name__}).")
+
+
+def _is_state(x, state) -> bool:
+    """Whether `x` is a new state for `state`: of its type, and for a plain tuple state
+    `(params, opt_state)` also of its tree structure (a `(state, metrics)` pair is a tuple too)."""
+    if type(x) is not type(state):
+        return False
+    if type(state) is tuple:
+        return jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(state)
+    return True
 
 
 def _with_metrics(new_state, rest):

@@ -1,0 +1,153 @@
+"""Flax NNX models and optimizers, and plain-pytree states, under every stage: the same numbers
+as plain single-device training (float32), with the state really sharded."""
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx, struct
+from jax.sharding import PartitionSpec as P
+
+import zerojax as zj
+from common import batches
+from common import make_init, train_single_device
+from nnx_model import make_objects, nnx_train_step, train_single_device_nnx
+
+DATA = batches(6)
+ADAMW = lambda: optax.adamw(1e-3, eps=1e-5, weight_decay=0.01)
+REF = {}
+
+
+def reference():
+    if not REF:
+        REF["nnx"] = train_single_device_nnx(ADAMW(), DATA)
+    return REF["nnx"]
+
+
+def arrays(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_nnx_stage_matches_single_device(stage):
+    ref_model, ref_opt, ref_losses = reference()
+    zero = zj.zero_shard(stage=stage, persistence_threshold=0)
+    model, optimizer = zero.init(lambda: make_objects(ADAMW()))
+    step = zero(nnx_train_step)
+    losses = [float(step(model, optimizer, batch)["loss"]) for batch in DATA]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for got, want in zip(arrays(nnx.state(model, nnx.Param)),
+                         arrays(nnx.state(ref_model, nnx.Param))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(arrays(nnx.state(optimizer)), arrays(nnx.state(ref_opt))):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    kernel = model.blocks[0].up.kernel[...]                                  # (64, 256)
+    assert kernel.sharding.spec == (P(None, "data") if stage == 3 else P())
+    mu = optimizer.opt_state[0].mu["blocks"][0]["up"]["kernel"][...]
+    assert mu.sharding.spec == (P(None, "data") if stage >= 1 else P())
+    assert int(optimizer.step[...]) == len(DATA)
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.up = nnx.Linear(32, 128, rngs=rngs,
+                                 kernel_init=nnx.with_partitioning(init, (None, "mlp")))
+            self.down = nnx.Linear(128, 32, rngs=rngs,
+                                   kernel_init=nnx.with_partitioning(init, ("model", None)))
+
+        def __call__(self, x):
+            return self.down(nnx.relu(self.up(x)))
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    zero = zj.zero_shard(stage=3, mesh=mesh, persistence_threshold=0,
+                         logical_rules=(("mlp", "model"),))
+
+    def make():
+        model = MLP(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    model, optimizer = zero.init(make)
+    assert model.up.kernel[...].sharding.spec == P("data", "model")     # (32, 128)
+    assert model.down.kernel[...].sharding.spec == P("model", "data")   # (128, 32)
+
+    def step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(lambda m: ((m(batch["x"]) - batch["y"]) ** 2).mean())(
+            model)
+        optimizer.update(model, grads)
+        return loss
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.normal(size=(8, 32)).astype(np.float32),
+             "y": rng.normal(size=(8, 32)).astype(np.float32)}
+    with nnx.use_eager_sharding(False), jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make()
+        ref = [float(nnx.jit(step)(ref_model, ref_opt, batch)) for _ in range(3)]
+    got = [float(zero(step)(model, optimizer, batch)) for _ in range(3)]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_nnx_refuses_managed_options_with_the_optax_alternative():
+    zero = zj.zero_shard(stage=3, precision="bf16")
+    with pytest.raises(zj.ZeroError, match="optax chain"):
+        zero.init(lambda: make_objects(ADAMW()))
+
+
+# ---- plain pytrees ----------------------------------------------------------------------------
+TX = optax.sgd(0.05, momentum=0.9)
+
+
+def plain_init(key):
+    state = make_init(TX)(key)
+    return state.params, TX.init(state.params)
+
+
+def plain_step(state, batch):
+    """A step on a `(params, opt_state)` pair, no TrainState."""
+    from common import MODEL
+    params, opt_state = state
+
+    def loss_fn(params):
+        logits = MODEL.apply({"params": params}, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+
+@struct.dataclass
+class MyState:
+    params: dict
+    opt_state: optax.OptState
+    steps: int
+
+
+def dataclass_step(state, batch):
+    (params, opt_state), metrics = plain_step((state.params, state.opt_state), batch)
+    return dataclasses.replace(state, params=params, opt_state=opt_state,
+                               steps=state.steps + 1), metrics
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. .* does not call state.apply_fn")
+@pytest.mark.parametrize("kind", ["tuple", "dataclass"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_plain_pytree_states_match_single_device(kind, stage):
+    ref_state, ref_losses = train_single_device(TX, DATA)
+    zero = zj.zero_shard(stage=stage, persistence_threshold=0)
+    if kind == "tuple":
+        state, step = zero.init(plain_init, jax.random.key(0)), zero(plain_step)
+    else:
+        state = zero.init(lambda k: MyState(*plain_init(k), steps=0), jax.random.key(0))
+        step = zero(dataclass_step)
+    losses = []
+    for batch in DATA:
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    params = state[0] if kind == "tuple" else state.params
+    for got, want in zip(arrays(params), arrays(ref_state.params)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    kernel = params["block_0"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == (P(None, "data") if stage == 3 else P())
