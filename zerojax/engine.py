@@ -164,6 +164,20 @@ class ZeroShard:
         """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
         return ZeroStep(self, step_fn)
 
+    def describe(self, state, *, tolerance: float | None = None, show: bool = True):
+        """Print (unless `show=False`) and return a table of every leaf of `state` (a train
+        state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
+        bytes per device. Warns when over 1% of the bytes this stage splits stay replicated,
+        raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
+        from zerojax.describe import describe
+        if is_nnx(state):
+            objs = as_objects(state)[0]
+            state = NnxLayout(objs).to_state(objs)
+        out = describe(self, state, tolerance)
+        if show:
+            print(out, end="")
+        return out
+
     def report(self, step, state, batch, *extra, dump_to: str | None = None):
         """Compiled memory and communication of `step` on these inputs (see zerojax.report);
         `dump_to`, a path prefix, also writes the partitioned and optimized HLO."""
