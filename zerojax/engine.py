@@ -164,6 +164,12 @@ class ZeroShard:
         """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
         return ZeroStep(self, step_fn)
 
+    def load_safetensors(self, state, path: str, *, names=None, transpose=None):
+        """`state` with its parameters read from a Hugging Face style safetensors file, each
+        device reading only its own slice (see zerojax.interop)."""
+        from zerojax.interop import load_safetensors
+        return load_safetensors(self, state, path, names=names, transpose=transpose)
+
     def describe(self, state, *, tolerance: float | None = None, show: bool = True):
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
