@@ -89,6 +89,19 @@ def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+def test_nnx_objects_built_elsewhere_are_placed_by_shard_or_refused():
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    model, optimizer = make_objects(ADAMW())
+    step = zero(nnx_train_step)
+    with pytest.raises(zj.ZeroError, match="not placed as this zero_shard expects"):
+        step(model, optimizer, DATA[0])
+    model, optimizer = zero.shard((model, optimizer))
+    assert model.blocks[0].up.kernel[...].sharding.spec == P(None, "data")
+    assert np.isfinite(float(step(model, optimizer, DATA[0])["loss"]))
+    zero.describe((model, optimizer), tolerance=0.01, show=False)
+
+
 def test_nnx_refuses_managed_options_with_the_optax_alternative():
     zero = zj.zero_shard(stage=3, precision="bf16")
     with pytest.raises(zj.ZeroError, match="optax chain"):

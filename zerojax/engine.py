@@ -75,9 +75,17 @@ class ZeroShard:
         return prepare_state(state, self.config, self.axis_size)
 
     def shard(self, state):
-        """`state` managed and placed by the rules (a copy; the input is left as it was)."""
+        """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
+        objects (one, or a tuple) come back as new objects holding the placed state."""
+        record = []
+        if is_nnx(state):
+            state = self._adopt_nnx(state, record)
         abstract = jax.eval_shape(self.manage, state)
-        return jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
+        placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
+        if record:
+            layout, shape_back = record
+            return shape_back(layout.merge(placed))
+        return placed
 
     def init(self, init_fn, *args, **kwargs):
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
