@@ -20,8 +20,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.config import ZeroError
+from zerojax.flax.nnx import NnxLayout, as_objects, is_nnx
 from zerojax.optim import ZeroOptState, initial_scaler, present
-from zerojax.rules import DEVICE, OPT_STATE, PARAMS, key_name
+from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 
 # ZeroOptState fields a checkpoint keeps under "zero" (the others are derived or empty at an
 # optimizer-step boundary: master -> params, inner -> opt_state, accum / per_device zeros)
@@ -36,9 +37,9 @@ def _canonical_paths(state) -> list:
     has_master = zero_opt and present(state.opt_state.master)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = tuple(key_name(k) for k in path)
-        head = names[0] if names else ""
+        head = category_of(path)        # a tuple state's (params, opt_state) are stored by name
         if head == PARAMS:
-            out.append((None if has_master else names, leaf))   # the master is the truth
+            out.append((None if has_master else (PARAMS, *names[1:]), leaf))  # master: truth
         elif head == OPT_STATE and zero_opt:
             field = names[1]
             if field == "master":
@@ -50,7 +51,7 @@ def _canonical_paths(state) -> list:
             else:                                   # micro, accum, per_device: step-boundary 0
                 out.append((None, leaf))
         elif head == OPT_STATE:
-            out.append((names, leaf))
+            out.append(((OPT_STATE, *names[1:]), leaf))
         else:
             out.append((("other", *names), leaf))
     return out
@@ -120,6 +121,9 @@ class CheckpointManager:
         """Start saving `state` (and JSON-able `extra`) as `step` if the interval says so, or
         `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
+        if is_nnx(state):
+            objs = as_objects(state)[0]
+            state = NnxLayout(objs).to_state(objs)
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(canonical_tree(state)),
                                   extra=ocp.args.JsonSave(dict(extra or {})))
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
@@ -150,6 +154,11 @@ class CheckpointManager:
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
         an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
+        if is_nnx(target):      # NNX: new objects like `target` (real or nnx.eval_shape'd)
+            objs, shape_back = as_objects(target)
+            layout = NnxLayout(objs)
+            state, extra = self.restore(layout.to_state(objs), step)
+            return shape_back(layout.merge(state)), extra
         step, saved = saved_step(self._mgr, step)
         abstract = jax.eval_shape(self.zero.manage, target)
         shardings = self.zero.state_shardings(abstract)
@@ -234,7 +243,7 @@ def _assemble(abstract, shardings, wanted, restored, cfg):
             jax.tree_util.tree_leaves(shardings)):
         names = tuple(key_name(k) for k in path)
         if keys is None:
-            value = _lookup(restored, (PARAMS, *names[1:])) if names[0] == PARAMS else \
+            value = _lookup(restored, (PARAMS, *names[1:])) if category_of(path) == PARAMS else \
                 np.zeros(leaf.shape, leaf.dtype)
         else:
             value = _lookup(restored, keys)
