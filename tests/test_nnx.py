@@ -201,3 +201,13 @@ def test_tuple_state_checkpoint_roundtrip(tmp_path):
         np.testing.assert_array_equal(got, want)
     from zerojax.export import info
     assert any(leaf["path"].startswith("params/") for leaf in info(tmp_path / "ckpt")["leaves"])
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+def test_nnx_report_counts_the_sharded_state():
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    model, optimizer = zero.init(lambda: make_objects(ADAMW()))
+    report = zero.report(zero(nnx_train_step), model, optimizer, DATA[0])
+    total = sum(x.size * 4 for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))
+    # every parameter is split 8 ways but the head's (203,) bias, which no 8 divides
+    assert report.resident["params"] == (total - 203 * 4) // 8 + 203 * 4
