@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.config import ZeroError
-from zerojax.flax.nnx import NnxLayout, as_objects, is_nnx
+from zerojax.flax.nnx import NnxLayout, as_objects, is_nnx, nnx_state
 from zerojax.optim import ZeroOptState, initial_scaler, present
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 
@@ -122,8 +122,7 @@ class CheckpointManager:
         `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
         if is_nnx(state):
-            objs = as_objects(state)[0]
-            state = NnxLayout(objs).to_state(objs)
+            state = nnx_state(state)
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(canonical_tree(state)),
                                   extra=ocp.args.JsonSave(dict(extra or {})))
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
@@ -157,7 +156,7 @@ class CheckpointManager:
         if is_nnx(target):      # NNX: new objects like `target` (real or nnx.eval_shape'd)
             objs, shape_back = as_objects(target)
             layout = NnxLayout(objs)
-            state, extra = self.restore(layout.to_state(objs), step)
+            state, extra = self.restore(layout.state, step)
             return shape_back(layout.merge(state)), extra
         step, saved = saved_step(self._mgr, step)
         abstract = jax.eval_shape(self.zero.manage, target)

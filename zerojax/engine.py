@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.comm.hierarchy import comm_for
 from zerojax.flax.annotations import read_linen_boxes
-from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building
+from zerojax.flax.nnx import (NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building,
+                              nnx_state)
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
@@ -77,44 +78,38 @@ class ZeroShard:
     def shard(self, state):
         """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
         objects (one, or a tuple) come back as new objects holding the placed state."""
-        record = []
+        objects = None
         if is_nnx(state):
-            state = self._adopt_nnx(state, record)
+            state, objects = self._adopt_nnx(state)
         abstract = jax.eval_shape(self.manage, state)
         placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
-        if record:
-            layout, shape_back = record
-            return shape_back(layout.merge(placed))
-        return placed
+        return placed if objects is None else objects(placed)
 
     def init(self, init_fn, *args, **kwargs):
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        nnx_objects = []
+        objects = []          # NNX: how to turn the placed state back into objects
 
         def make(*a, **k):    # traced once: init_fn may build a new model object per call
             with nnx_building():
                 state = init_fn(*a, **k)
             if is_nnx(state):
-                state = self._adopt_nnx(state, nnx_objects)
+                state, back = self._adopt_nnx(state)
+                objects.append(back)
             state = jax.tree_util.tree_map(jnp.asarray, self.manage(state))
             return to_storage(state, self.state_shardings(state))
         state = jax.jit(make)(*args, **kwargs)
-        if nnx_objects:      # NNX: the same objects init_fn returned, holding the placed state
-            layout, shape_back = nnx_objects
-            return shape_back(layout.merge(state))
-        return state
+        return objects[0](state) if objects else state
 
-    def _adopt_nnx(self, out, record: list) -> dict:
-        """The dict state of the NNX objects `out`; their layout (and how to give them back)
-        goes to `record`, their sharding metadata to this zero's tensor-parallel layouts."""
+    def _adopt_nnx(self, out):
+        """(the dict state of the NNX objects `out`, a function making objects like `out` from
+        such a state); their sharding metadata joins this zero's tensor-parallel layouts."""
         if self.config.manages_update:
             raise ZeroError(NNX_UNMANAGED)
         objs, shape_back = as_objects(out)
         layout = NnxLayout(objs)
         self.tensor.update(layout.tensor_specs(self.mesh, self.config))
-        record[:] = [layout, shape_back]
-        return layout.to_state(objs)
+        return layout.state, lambda state: shape_back(layout.merge(state))
 
     def eval_shape(self, init_fn, *args, **kwargs):
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
@@ -184,10 +179,7 @@ class ZeroShard:
         bytes per device. Warns when over 1% of the bytes this stage splits stay replicated,
         raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
-        if is_nnx(state):
-            objs = as_objects(state)[0]
-            state = NnxLayout(objs).to_state(objs)
-        out = describe(self, state, tolerance)
+        out = describe(self, nnx_state(state) if is_nnx(state) else state, tolerance)
         if show:
             print(out, end="")
         return out

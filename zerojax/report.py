@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 from zerojax import xla_flags
+from zerojax.flax.nnx import is_nnx, nnx_state, split_args
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -291,7 +292,6 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     """Memory and communication of one optimizer step. With k-step gradient accumulation the
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
-    from zerojax.flax.nnx import NnxLayout, is_nnx
     k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
     compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra),
                                                  zero.mesh.size)
@@ -310,8 +310,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
     if is_nnx(state):      # step(model, optimizer, batch): the objects' dict state
-        objs = tuple(a for a in (state, batch, *extra) if is_nnx(a))
-        state = NnxLayout(objs).to_state(objs)
+        state = nnx_state(split_args((state, batch, *extra))[0])
     resident, host, kept = resident_bytes(zero, state)
     # CPU's memory_analysis counts host-memory arguments with the device's (its host fields
     # stay 0): take the offloaded state out of the arguments there

@@ -95,10 +95,7 @@ class TensorSpec:
         """This layout as a PartitionSpec, with the ZeRO `axis` added on `dim` (outermost)."""
         entries = list(self.axes)
         if dim is not None:
-            names = (axis,) if isinstance(axis, str) else tuple(axis)
-            have = entries[dim]
-            have = () if have is None else (have,) if isinstance(have, str) else tuple(have)
-            entries[dim] = names[0] if not have and len(names) == 1 else (*names, *have)
+            entries[dim] = spec_entry((*spec_names(axis), *spec_names(entries[dim])))
         return P(*entries) if any(e is not None for e in entries) else P()
 
 
@@ -195,10 +192,17 @@ def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int,
 
 def _without(entry, axis):
     """A spec entry with the ZeRO axis (or axes) taken out."""
-    drop = {axis} if isinstance(axis, str) else set(axis)
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    kept = tuple(a for a in names if a not in drop)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return spec_entry(tuple(a for a in spec_names(entry) if a not in spec_names(axis)))
+
+
+def spec_names(entry) -> tuple:
+    """A spec entry (None, an axis name or a tuple of them) as a tuple of names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(names: tuple):
+    """The spec entry for `names`: None, one name, or the tuple."""
+    return None if not names else names[0] if len(names) == 1 else names
 
 
 def _warn_large_replicated(plans, n):

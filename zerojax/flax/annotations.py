@@ -15,7 +15,8 @@ import flax.linen as nn
 import jax
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.rules import PARAMS, TensorSpec, category_of, path_str
+from zerojax.rules import (PARAMS, TensorSpec, category_of, path_str, spec_entry,
+                           spec_names)
 
 
 def _is_box(x) -> bool:
@@ -49,14 +50,14 @@ def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) 
     axes, divisors = [], []
     for dim, name in enumerate(names):
         resolved = []
-        for one in (() if name is None else (name,) if isinstance(name, str) else name):
+        for one in spec_names(name):
             axis = one if one in sizes else rules.get(one, KeyError)
             if axis is KeyError:
                 raise ZeroError(
                     f"parameter {path} declares axis {one!r} on dim {dim}, which is neither a "
                     f"mesh axis {tuple(mesh.axis_names)} nor in logical_rules: add a rule such "
                     f"as ({one!r}, 'model') or ({one!r}, None).")
-            resolved += [] if axis is None else [axis] if isinstance(axis, str) else list(axis)
+            resolved += spec_names(axis)
         for axis in resolved:
             if axis in zero_axes:
                 raise ZeroError(
@@ -70,7 +71,6 @@ def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) 
         if shape[dim] % divisor:
             raise ZeroError(f"parameter {path} (shape {tuple(shape)}) splits dim {dim} over "
                             f"{resolved} ({divisor} devices), which does not divide it.")
-        axes.append(None if not resolved else resolved[0] if len(resolved) == 1
-                    else tuple(resolved))
+        axes.append(spec_entry(tuple(resolved)))
         divisors.append(divisor)
     return TensorSpec(tuple(axes), tuple(divisors))

@@ -50,9 +50,13 @@ class NnxLayout:
         # when one object holds a whole field (the usual model + optimizer), its index is
         # dropped, so optimizer paths end with their parameter's path ('mu/layer/kernel')
         self.heads = [_single_key(s) for s in states]
+        self.state = self._pure(states)     # the objects' dict state as they are now
 
     def to_state(self, objs: tuple) -> dict:
-        _, *states = nnx.split(objs, nnx.Param, nnx.OptState, ...)
+        """The dict state of `objs` (objects of this layout, e.g. after a traced step)."""
+        return self._pure(nnx.split(objs, nnx.Param, nnx.OptState, ...)[1:])
+
+    def _pure(self, states) -> dict:
         return {field: _strip(nnx.to_pure_dict(state), head)
                 for field, state, head in zip(FIELDS, states, self.heads)}
 
@@ -109,6 +113,20 @@ def as_objects(out):
     return (out,), lambda objs: objs[0]
 
 
+def nnx_state(out) -> dict:
+    """The dict state of NNX objects (one, or a tuple), as zerojax's rules see it."""
+    return NnxLayout(as_objects(out)[0]).state
+
+
+def split_args(args: tuple) -> tuple:
+    """(objects, batch, extra) of a call `step(model, optimizer, ..., batch, *extra)`."""
+    count = next((i for i, a in enumerate(args) if not is_nnx(a)), len(args))
+    if count == len(args):
+        raise ZeroError("an NNX zerojax step is called as step(model, optimizer, ..., batch, "
+                        "*extra): no batch came after the NNX objects.")
+    return args[:count], args[count], args[count + 1:]
+
+
 class NnxStep:
     """`fn(*objects, batch, *extra)` jitted with the objects' state placed by `zero`'s rules;
     the objects are updated in place and `fn`'s return value is returned."""
@@ -119,36 +137,32 @@ class NnxStep:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
-        count = next((i for i, a in enumerate(args) if not is_nnx(a)), len(args))
-        if count == len(args):
-            raise ZeroError("an NNX zerojax step is called as step(model, optimizer, ..., batch"
-                            ", *extra): no batch came after the NNX objects.")
-        objs, batch, extra = args[:count], args[count], args[count + 1:]
-        jitted, layout, batch = self._prepare(objs, batch, extra)
+        objs, batch, extra = split_args(args)
+        jitted, shardings, layout, batch = self._prepare(objs, batch, extra)
         from zerojax.step import _check_placed      # (step imports this module)
-        state = layout.to_state(objs)
-        _check_placed(state, self.zero.state_shardings(state))
-        new_state, out = jitted(state, batch, *extra)
+        _check_placed(layout.state, shardings)
+        new_state, out = jitted(layout.state, batch, *extra)
         layout.update(objs, new_state)
         return out
 
     def lower(self, *args):
-        count = next(i for i, a in enumerate(args) if not is_nnx(a))
-        objs, batch, extra = args[:count], args[count], args[count + 1:]
-        jitted, layout, batch = self._prepare(objs, batch, extra)
-        return jitted.lower(layout.to_state(objs), batch, *extra)
+        objs, batch, extra = split_args(args)
+        jitted, _, layout, batch = self._prepare(objs, batch, extra)
+        return jitted.lower(layout.state, batch, *extra)
 
     def _prepare(self, objs, batch, extra):
+        """(jitted step, state shardings, the objects' layout, placed batch), compiled once
+        per structure and shapes."""
         cfg = self.zero.config
         if cfg.manages_update:
             raise ZeroError(NNX_UNMANAGED)
         batch = self.zero.place_batch(batch)
         layout = NnxLayout(objs)
-        state = layout.to_state(objs)
-        key = (jax.tree_util.tree_structure((state, batch, extra)), layout.graphdef,
-               tuple(getattr(x, "shape", ()) for x in jax.tree_util.tree_leaves((state, batch))))
+        key = (jax.tree_util.tree_structure((layout.state, batch, extra)), layout.graphdef,
+               tuple(getattr(x, "shape", ()) for x in
+                     jax.tree_util.tree_leaves((layout.state, batch))))
         if key not in self._jitted:
-            shardings = self.zero.state_shardings(state)
+            shardings = self.zero.state_shardings(layout.state)
             if cfg.explicit_collectives and cfg.stage >= 2 and not self._jitted:
                 warnings.warn(
                     "zerojax: NNX steps leave every collective to XLA's partitioner (the "
@@ -161,5 +175,6 @@ class NnxStep:
                 objs = layout.merge(state)
                 out = self.fn(*objs, batch, *extra)
                 return to_storage(layout.to_state(objs), shardings), out
-            self._jitted[key] = jax.jit(traced, donate_argnums=(0,) if cfg.donate else ())
-        return self._jitted[key], layout, batch
+            self._jitted[key] = (jax.jit(traced, donate_argnums=(0,) if cfg.donate else ()),
+                                 shardings)
+        return (*self._jitted[key], layout, batch)
