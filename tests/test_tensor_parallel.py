@@ -121,3 +121,10 @@ def test_unmapped_logical_name_and_zero_axis_conflicts_are_clear():
         zero.init(init_fn, jax.random.key(0))
     with pytest.raises(zj.ZeroError, match="tensor-parallel axes"):
         zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES, quantized_weights=True)
+
+
+def test_logical_rules_without_annotations_warn():
+    from common import make_init
+    zero = zj.zero_shard(stage=3, logical_rules=RULES)
+    with pytest.warns(UserWarning, match="logical_rules has nothing to map"):
+        zero.init(make_init(optax.sgd(0.1)), jax.random.key(0))

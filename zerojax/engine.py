@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,7 @@ class ZeroShard:
             state, objects = self._adopt_nnx(state)
         abstract = jax.eval_shape(self.manage, state)
         placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
+        self._check_logical_rules_used()
         return placed if objects is None else objects(placed)
 
     def init(self, init_fn, *args, **kwargs):
@@ -99,7 +102,14 @@ class ZeroShard:
             state = jax.tree_util.tree_map(jnp.asarray, self.manage(state))
             return to_storage(state, self.state_shardings(state))
         state = jax.jit(make)(*args, **kwargs)
+        self._check_logical_rules_used()
         return objects[0](state) if objects else state
+
+    def _check_logical_rules_used(self):
+        if self.config.logical_rules and not self.tensor:
+            warnings.warn("zerojax: logical_rules has nothing to map: the model declares no "
+                          "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
+                          "so only ZeRO's axis splits the state.", stacklevel=3)
 
     def _adopt_nnx(self, out):
         """(the dict state of the NNX objects `out`, a function making objects like `out` from
