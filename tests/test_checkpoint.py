@@ -19,6 +19,7 @@ from zerojax.export import export, info
 
 sys.path.insert(0, os.path.dirname(__file__))
 from checkpoint_worker import ZERO, batch, init_fn, train_step  # noqa: E402
+from common import assert_trees_close  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
 ABSTRACT = jax.eval_shape(init_fn, jax.random.key(0))
@@ -47,7 +48,9 @@ def saved(tmp_path_factory):
     return directory, _host(canonical_tree(state))
 
 
-TARGETS = [(n, dict(stage=s)) for n in (1, 2, 4) for s in (0, 1, 2, 3)] + [
+# every stage, and every device count of 1, 2 and 4, not all their combinations
+TARGETS = [(1, dict(stage=0)), (2, dict(stage=3)), (4, dict(stage=1)), (4, dict(stage=2)),
+           (2, dict(stage=0))] + [
     (4, dict(stage=1, offload_optimizer="cpu")), (2, dict(stage=2, precision="bf16",
                                                           offload_optimizer="cpu")),
     (4, dict(stage=3, precision="fp16", offload_optimizer="cpu", offload_param="cpu"))]
@@ -143,8 +146,9 @@ def _wait_for(proc, word: str, timeout: float = 300, finished_ok: bool = False):
     raise AssertionError(f"worker never printed {word!r}:\n" + "".join(seen[-40:]))
 
 
-def test_sigkill_at_random_moments_then_resume_bitwise(tmp_path):
-    steps, kills = 30, 10
+@pytest.mark.parametrize("kills", [4, pytest.param(10, marks=pytest.mark.slow)])
+def test_sigkill_at_random_moments_then_resume_bitwise(tmp_path, kills):
+    steps = 30
     reference = _worker(tmp_path / "ref", tmp_path / "ref.txt", steps)
     assert reference.wait(timeout=600) == 0, reference.stdout.read()[-3000:]
     rng, killed = random.Random(0), 0
@@ -192,10 +196,7 @@ def test_two_processes_save_one_process_restores(tmp_path):
     restored, extra = zj.CheckpointManager(tmp_path / "mp", zero).restore(ABSTRACT)
     assert extra == {"data_position": steps}
     got, want = _host(canonical_tree(restored)), _host(canonical_tree(state))
-    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0],
-                            jax.tree_util.tree_leaves(want)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
+    assert_trees_close(got, want)       # 2 x 4 devices vs 1 x 8: per-leaf relative L2
 
 
 def test_export_and_info(saved, tmp_path):

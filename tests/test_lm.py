@@ -8,7 +8,7 @@ import pytest
 import zerojax as zj
 from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS, param_count
-from common import assert_params_close
+from common import assert_trees_close
 
 CFG = LM_PRESETS["tiny"].replace(vocab=203, d_model=64, n_heads=4, d_ff=176, n_layers=2,
                                  seq_len=16)
@@ -54,7 +54,7 @@ def test_lm_trains_like_one_device(stage, scan, remat, prefetch):
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    assert_params_close(state.params, ref.params)
+    assert_trees_close(state.params, ref.params)
 
 
 @pytest.mark.parametrize("precision,scan", [("fp16", True), ("bf16", False)])

@@ -11,7 +11,7 @@ import pytest
 
 import zerojax as zj
 from zerojax.launch import free_port
-from common import batches, train_zero, zeropp_setup
+from common import assert_trees_close, batches, train_zero, zeropp_setup
 
 STEPS = 4
 
@@ -46,9 +46,8 @@ def test_two_processes_match_one_process(two_process_results, stage):
     np.testing.assert_allclose(two_process_results[f"losses_{stage}"], losses, rtol=1e-5,
                                atol=1e-6)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
-        np.testing.assert_allclose(
-            two_process_results[f"param_{stage}_{jax.tree_util.keystr(path)}"],
-            np.asarray(leaf), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        got = two_process_results[f"param_{stage}_{jax.tree_util.keystr(path)}"]
+        assert_trees_close({jax.tree_util.keystr(path): got}, {jax.tree_util.keystr(path): leaf})
 
 
 def test_zeropp_two_processes_as_nodes_match_one_process(two_process_results):

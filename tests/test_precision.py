@@ -11,7 +11,7 @@ import pytest
 import zerojax as zj
 from zerojax.models import GPT, PRESETS
 from zerojax.models.data import random_windows, stdlib_tokens
-from common import (assert_params_close, batches, make_init, train_single_device, train_step,
+from common import (assert_trees_close, batches, make_init, train_single_device, train_step,
                     train_zero)
 
 ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)   # eps: see test_parity.py
@@ -34,11 +34,12 @@ def _tree_equal(a, b):
 
 
 # ---- bf16 -------------------------------------------------------------------------------------
-def test_bf16_follows_fp32_over_200_steps_on_the_demo_model():
+@pytest.mark.parametrize("steps", [60, pytest.param(200, marks=pytest.mark.slow)])
+def test_bf16_follows_fp32_on_the_demo_model(steps):
     cfg = PRESETS["demo"]
     model = GPT(cfg)
     data = [{"inputs": w[:, :-1], "targets": w[:, 1:]}
-            for w in random_windows(stdlib_tokens(), 201, 16, cfg.seq_len)]
+            for w in random_windows(stdlib_tokens(), steps + 1, 16, cfg.seq_len)]
     exact = jax.jit(lambda p, m: jax.tree_util.tree_map(
         lambda x, y: jnp.array_equal(x, y.astype(x.dtype)), p, m))
     curves = {}
@@ -57,9 +58,9 @@ def test_bf16_follows_fp32_over_200_steps_on_the_demo_model():
             assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
             assert {x.dtype for x in jax.tree_util.tree_leaves(state.opt_state.master)} == {
                 jnp.dtype(jnp.float32)}
-    for i in (0, 50, 100, 150, 200):
+    for i in range(0, steps + 1, 20):
         assert abs(curves["bf16"][i] - curves["fp32"][i]) <= 0.02 * curves["fp32"][i], i
-    assert curves["bf16"][200] < 0.7 * curves["bf16"][0]           # and it did learn
+    assert curves["bf16"][steps] < (0.7 if steps >= 200 else 0.8) * curves["bf16"][0]  # learned
 
 
 @pytest.mark.parametrize("stage,reduce_kind", [(1, "all-reduce"), (2, "reduce-scatter"),
@@ -155,8 +156,8 @@ def _micro(batch, k):
     return [jax.tree_util.tree_map(lambda x: x[i * b:(i + 1) * b], batch) for i in range(k)]
 
 
-@pytest.mark.parametrize("stage,mode", [(0, "local"), (1, "local"), (2, "local"),
-                                        (0, "reduced"), (2, "reduced"), (3, "reduced")])
+@pytest.mark.parametrize("stage,mode", [(0, "local"), (2, "local"), (2, "reduced"),
+                                        (3, "reduced")])
 def test_k_micro_batches_equal_one_big_batch(stage, mode):
     data = batches(3, batch_size=32)
     ref_state, _ = reference("adamw", ADAMW, 3, 32)
@@ -168,10 +169,10 @@ def test_k_micro_batches_equal_one_big_batch(stage, mode):
             state, metrics = step(state, micro)
         assert int(metrics["micro_step"]) == 0
     assert int(state.step) == 3
-    assert_params_close(state.params, ref_state.params)
+    assert_trees_close(state.params, ref_state.params)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 2])      # all-reduce, reduce-scatter (stage 1 = 0's)
 def test_local_accumulation_communicates_once_per_optimizer_step(stage):
     sent = {}
     for k in (1, 4):
@@ -195,7 +196,7 @@ def test_reduced_accumulation_reduces_every_micro_batch():
 
 
 # ---- clipping and any optimizer -----------------------------------------------------------------
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])      # the norm of a whole, then of a split gradient
 def test_clipping_equals_optax_clip_by_global_norm(stage):
     data = batches(4)
     ref_state, ref_losses = reference(
@@ -203,7 +204,7 @@ def test_clipping_equals_optax_clip_by_global_norm(stage):
     zero = zj.zero_shard(stage=stage, gradient_clipping=0.05)
     state, losses = train_zero(zero, ADAMW(), data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    assert_params_close(state.params, ref_state.params)
+    assert_trees_close(state.params, ref_state.params)
 
 
 OPTIMIZERS = {
@@ -220,8 +221,13 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+# every optimizer at stage 3 (parameters, gradients and state split), and the two other
+# layouts of the managed update (stage 1: whole gradients; stage 2: split) with two of them
+ANY_OPTIMIZER = [(name, 3) for name in OPTIMIZERS] + [
+    ("adamw", 1), ("multi_transform", 1), ("adafactor", 2), ("inject_hyperparams_schedule", 2)]
+
+
+@pytest.mark.parametrize("name,stage", ANY_OPTIMIZER)
 def test_managed_update_matches_single_device_for_any_optimizer(name, stage):
     data = batches(2, batch_size=32)
     ref_state, _ = reference(name, OPTIMIZERS[name], 2, 32)
@@ -231,7 +237,7 @@ def test_managed_update_matches_single_device_for_any_optimizer(name, stage):
     for batch in data:
         for micro in _micro(batch, 2):
             state, _ = step(state, micro)
-    assert_params_close(state.params, ref_state.params, atol=2e-6)
+    assert_trees_close(state.params, ref_state.params)
 
 
 class _Compiles(logging.Handler):

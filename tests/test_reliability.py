@@ -109,7 +109,7 @@ def test_inconsistent_batch_and_empty_params_fail_at_once():
 
 def test_runs_are_deterministic_and_stages_agree():
     tx, data = optax.sgd(0.05, momentum=0.9), batches(5)
-    losses = {s: train_zero(zj.zero_shard(stage=s), tx, data)[1] for s in range(4)}
+    losses = {s: train_zero(zj.zero_shard(stage=s), tx, data)[1] for s in (0, 2, 3)}
     again = train_zero(zj.zero_shard(stage=3), tx, data)[1]
     assert again == losses[3]                              # same seed, config, data: bitwise
     assert len({run[0] for run in losses.values()}) == 1   # first step: bitwise across stages
