@@ -1,6 +1,7 @@
 """Shared by the bench commands: where they leave their tables (bench/results/NAME.json, and
 NAME.png when matplotlib is installed: `pip install 'zerojax[examples]'`), and running a
 worker function in a fresh process with N simulated devices."""
+
 import json
 import os
 import pathlib
@@ -16,10 +17,18 @@ def run_with_devices(n: int, module: str, call: str, timeout: int = 1800):
     evaluated in a fresh process with `n` simulated CPU devices; its JSON-able result."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={n}"
-    code = (f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); "
-            f"from {module} import *; print(json.dumps({call}))")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=timeout, cwd=BENCH.parent)
+    code = (
+        f"import sys, json; sys.path.insert(0, {str(BENCH)!r}); "
+        f"from {module} import *; print(json.dumps({call}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=BENCH.parent,
+    )
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -35,6 +44,7 @@ def write_results(name: str, data, draw=None) -> None:
         return
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

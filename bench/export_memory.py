@@ -6,6 +6,7 @@ Saves a checkpoint of 16 fp32 parameter leaves of 64 MiB (1 GiB in all) from 8 s
 devices at stage 3, then runs the export in a fresh process and reads that process's peak
 resident set size (VmHWM). Writes bench/results/export_memory.json.
 """
+
 import json
 import os
 import pathlib
@@ -13,22 +14,28 @@ import subprocess
 import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import jax.numpy as jnp  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 
-LEAVES, LEAF_ELEMENTS = 16, 16 * 2**20          # 16 x 64 MiB of fp32
+LEAVES, LEAF_ELEMENTS = 16, 16 * 2**20  # 16 x 64 MiB of fp32
 
 
 def measure() -> dict:
     with tempfile.TemporaryDirectory(prefix="zerojax-export-") as tmp:
         zero = zj.zero_shard(stage=3)
-        state = zero.init(lambda: {"params": {f"w{i:02d}": jnp.full((LEAF_ELEMENTS // 1024, 1024),
-                                                                   i, jnp.float32)
-                                              for i in range(LEAVES)}})
+        state = zero.init(
+            lambda: {
+                "params": {
+                    f"w{i:02d}": jnp.full((LEAF_ELEMENTS // 1024, 1024), i, jnp.float32)
+                    for i in range(LEAVES)
+                }
+            }
+        )
         with zj.CheckpointManager(os.path.join(tmp, "ckpt"), zero) as ckpt:
             ckpt.save(1, state)
         del state
@@ -36,26 +43,45 @@ def measure() -> dict:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
         # the peak is read inside the exporting process (VmHWM): a child's ru_maxrss on Linux
         # keeps the high-water mark of the parent it was forked from
-        code = ("import sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
-                "print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]);"
-                " sys.exit(rc)")
-        done = subprocess.run([sys.executable, "-c", code, "checkpoint", "export",
-                               os.path.join(tmp, "ckpt"), "--out", out], env=env,
-                              capture_output=True, text=True)
+        code = (
+            "import sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+            "print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]);"
+            " sys.exit(rc)"
+        )
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                "checkpoint",
+                "export",
+                os.path.join(tmp, "ckpt"),
+                "--out",
+                out,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         peak_kib = int(done.stdout.split("VmHWM")[1].split()[0])
         total = LEAVES * LEAF_ELEMENTS * 4
-        result = {"total_bytes": total, "largest_leaf_bytes": LEAF_ELEMENTS * 4,
-                  "export_peak_rss_bytes": peak_kib * 1024,
-                  "file_bytes": os.path.getsize(out)}
+        result = {
+            "total_bytes": total,
+            "largest_leaf_bytes": LEAF_ELEMENTS * 4,
+            "export_peak_rss_bytes": peak_kib * 1024,
+            "file_bytes": os.path.getsize(out),
+        }
     return result
 
 
 def main():
     result = measure()
     total = result["total_bytes"]
-    print(f"model {total / 2**20:.0f} MiB in {LEAVES} leaves of {LEAF_ELEMENTS * 4 / 2**20:.0f} "
-          f"MiB: export peak RSS {result['export_peak_rss_bytes'] / 2**20:.0f} MiB")
+    print(
+        f"model {total / 2**20:.0f} MiB in {LEAVES} leaves of {LEAF_ELEMENTS * 4 / 2**20:.0f} "
+        f"MiB: export peak RSS {result['export_peak_rss_bytes'] / 2**20:.0f} MiB"
+    )
     path = pathlib.Path(__file__).parent / "results" / "export_memory.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -13,16 +13,18 @@
    on device vs on host, as ratios of medians from one interleaved run.
 Writes bench/results/offload_report.json.
 """
+
 import json
 import os
-import re
 import pathlib
+import re
 import statistics
 import sys
 import time
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -37,8 +39,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from stage3_depth import BASE  # noqa: E402
 
 N = 8
-OPTIONS = {"none": {}, "offload_optimizer": dict(offload_optimizer="cpu"),
-           "offload_optimizer+param": dict(offload_optimizer="cpu", offload_param="cpu")}
+OPTIONS = {
+    "none": {},
+    "offload_optimizer": dict(offload_optimizer="cpu"),
+    "offload_optimizer+param": dict(offload_optimizer="cpu", offload_param="cpu"),
+}
 
 
 def report(model_cfg, batch_rows=N, **options):
@@ -53,18 +58,24 @@ def at_rest() -> dict:
     for name, options in OPTIONS.items():
         rep, state = report(LM_PRESETS["small"], stage=3, precision="bf16", **options)
         psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-        out[name] = {"psi": psi, "device": sum(rep.resident.values()),
-                     "host": sum(rep.host_resident.values()),
-                     "device_params": rep.resident.get("params", 0)}
+        out[name] = {
+            "psi": psi,
+            "device": sum(rep.resident.values()),
+            "host": sum(rep.host_resident.values()),
+            "device_params": rep.resident.get("params", 0),
+        }
     return out
 
 
 def param_slope() -> dict:
     out = {}
-    for name, options in (("stage 3", {}), ("stage 3 + offload_param", OPTIONS[
-            "offload_optimizer+param"])):
-        peaks = {L: report(BASE.replace(n_layers=L), stage=3, **options)[0].peak_bytes
-                 for L in (4, 8)}
+    for name, options in (
+        ("stage 3", {}),
+        ("stage 3 + offload_param", OPTIONS["offload_optimizer+param"]),
+    ):
+        peaks = {
+            L: report(BASE.replace(n_layers=L), stage=3, **options)[0].peak_bytes for L in (4, 8)
+        }
         out[name] = {"peak_L4": peaks[4], "peak_L8": peaks[8], "slope": (peaks[8] - peaks[4]) / 4}
     return out
 
@@ -89,18 +100,20 @@ def step_times(steps: int = 12) -> dict:
     cfg = LM_PRESETS["tiny"]
     init_fn = make_init(LM(cfg), optax.adam(1e-3))
     batch = np.random.default_rng(0).integers(0, cfg.vocab, (4 * N, cfg.seq_len + 1), np.int32)
-    runs = {"no offload": dict(stage=3),
-            "offload_optimizer (update on device)": dict(stage=3, offload_optimizer="cpu"),
-            "offload_optimizer (update on host)": dict(stage=3, offload_optimizer="cpu",
-                                                       offload_update="host"),
-            "offload_optimizer+param": dict(stage=3, offload_optimizer="cpu",
-                                            offload_param="cpu")}
+    runs = {
+        "no offload": dict(stage=3),
+        "offload_optimizer (update on device)": dict(stage=3, offload_optimizer="cpu"),
+        "offload_optimizer (update on host)": dict(
+            stage=3, offload_optimizer="cpu", offload_update="host"
+        ),
+        "offload_optimizer+param": dict(stage=3, offload_optimizer="cpu", offload_param="cpu"),
+    }
     states, steps_fn, times = {}, {}, {k: [] for k in runs}
     for name, options in runs.items():
         zero = zj.zero_shard(**options)
         states[name], steps_fn[name] = zero.init(init_fn, jax.random.key(0)), zero(train_step)
-        states[name], _ = steps_fn[name](states[name], batch)          # compile
-    for _ in range(steps):                       # interleaved: drift hits every run alike
+        states[name], _ = steps_fn[name](states[name], batch)  # compile
+    for _ in range(steps):  # interleaved: drift hits every run alike
         for name in runs:
             t = time.perf_counter()
             states[name], m = steps_fn[name](states[name], batch)
@@ -116,13 +129,14 @@ def main():
     print("1. at rest per device, stage 3 bf16 + Adam, LM 'small', N = 8 (MiB)")
     print(f"{'':>26} {'device':>9} {'host':>9}   formulas: 2Ψ/N and 12Ψ/N")
     for name, r in results["at_rest"].items():
-        print(f"{name:>26} {mib(r['device'])} {mib(r['host'])}   "
-              f"{mib(2 * r['psi'] / N)} {mib(12 * r['psi'] / N)}")
+        print(
+            f"{name:>26} {mib(r['device'])} {mib(r['host'])}   "
+            f"{mib(2 * r['psi'] / N)} {mib(12 * r['psi'] / N)}"
+        )
     results["param_slope"] = param_slope()
     print("2. device peak (MiB) and slope per added layer, d_model 256, fp32 + Adam")
     for name, r in results["param_slope"].items():
-        print(f"{name:>26} L=4 {mib(r['peak_L4'])} L=8 {mib(r['peak_L8'])} "
-              f"slope {mib(r['slope'])}")
+        print(f"{name:>26} L=4 {mib(r['peak_L4'])} L=8 {mib(r['peak_L8'])} slope {mib(r['slope'])}")
     results["activations_host_arrays"] = activations()
     print("3. arrays typed <host> in the traced step (saved activations offloaded), LM 'tiny'")
     for name, count in results["activations_host_arrays"].items():

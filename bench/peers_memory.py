@@ -6,8 +6,8 @@ For each example-LM preset (bf16 params, fp32 master, AdamW, scanned layers, one
 the preset's length per device): zerojax stages 0-3, stage 3 with the optimizer offloaded, and
 a hand-written `jax.jit` FSDP (zerojax's stage-3 placement with explicit_collectives=False: XLA
 inserts every collective; fp32, since zerojax casts to 16 bits in its own hook, so the
-baseline is beside zerojax stage 3 in fp32). Columns: bytes at rest on the device, compiled peak (arguments +
-temporaries), and two formulas for the same Ψ and N:
+baseline is beside zerojax stage 3 in fp32). Columns: bytes at rest on the device, compiled
+peak (arguments + temporaries), and two formulas for the same Ψ and N:
 - the ZeRO paper's model states (K = 12): stage 0 16Ψ, 1 4Ψ + 12Ψ/N, 2 2Ψ + 14Ψ/N,
   3 16Ψ/N (offload: 4Ψ/N on the device, as the paper's ZeRO-Offload keeps fp16 params + grads;
   the fp32 rows: 16Ψ/N = fp32 params 4 + grads 4 + Adam 8);
@@ -16,42 +16,55 @@ temporaries), and two formulas for the same Ψ and N:
   offloaded 4·Lmax + 2Ψ/N, Lmax being the largest parameter tensor; stages 0-1: none.
 Writes bench/results/peers_memory.json and .png.
 """
+
 import argparse
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from benchlib import write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
-from benchlib import write_results  # noqa: E402
 
 N = 8
 CONTENDERS = {
-    "stage 0": dict(stage=0), "stage 1": dict(stage=1), "stage 2": dict(stage=2),
+    "stage 0": dict(stage=0),
+    "stage 1": dict(stage=1),
+    "stage 2": dict(stage=2),
     "stage 3": dict(stage=3),
     "stage 3 + offload": dict(stage=3, offload_optimizer="cpu", offload_update="host"),
     "stage 3 fp32": dict(stage=3, precision="fp32"),
-    "jit FSDP fp32": dict(stage=3, precision="fp32", explicit_collectives=False)}
+    "jit FSDP fp32": dict(stage=3, precision="fp32", explicit_collectives=False),
+}
 
 
 def paper(name: str, psi: int) -> float:
-    return {"stage 0": 16 * psi, "stage 1": 4 * psi + 12 * psi / N,
-            "stage 2": 2 * psi + 14 * psi / N, "stage 3": 16 * psi / N,
-            "stage 3 + offload": 4 * psi / N,
-            # fp32 params (4) + grads (4) + Adam (8), all sharded
-            "stage 3 fp32": 16 * psi / N, "jit FSDP fp32": 16 * psi / N}[name]
+    return {
+        "stage 0": 16 * psi,
+        "stage 1": 4 * psi + 12 * psi / N,
+        "stage 2": 2 * psi + 14 * psi / N,
+        "stage 3": 16 * psi / N,
+        "stage 3 + offload": 4 * psi / N,
+        # fp32 params (4) + grads (4) + Adam (8), all sharded
+        "stage 3 fp32": 16 * psi / N,
+        "jit FSDP fp32": 16 * psi / N,
+    }[name]
 
 
 def deepspeed(name: str, psi: int, largest: int):
-    return {"stage 2": 4 * psi + 16 * psi / N, "stage 3": 4 * largest + 18 * psi / N,
-            "stage 3 + offload": 4 * largest + 2 * psi / N}.get(name)
+    return {
+        "stage 2": 4 * psi + 16 * psi / N,
+        "stage 3": 4 * largest + 18 * psi / N,
+        "stage 3 + offload": 4 * largest + 2 * psi / N,
+    }.get(name)
 
 
 def measure(preset: str) -> list[dict]:
@@ -66,16 +79,28 @@ def measure(preset: str) -> list[dict]:
         psi, largest = sum(x.size for x in leaves), max(x.size for x in leaves)
         rep = zero.report(zero(train_step), state, batch)
         at_rest = sum(rep.resident.values())
-        row = {"preset": preset, "contender": name, "params": psi, "at_rest": at_rest,
-               "peak": rep.peak_bound_bytes, "paper": paper(name, psi),
-               "deepspeed": deepspeed(name, psi, largest)}
+        row = {
+            "preset": preset,
+            "contender": name,
+            "params": psi,
+            "at_rest": at_rest,
+            "peak": rep.peak_bound_bytes,
+            "paper": paper(name, psi),
+            "deepspeed": deepspeed(name, psi, largest),
+        }
         row["at_rest_over_paper"] = at_rest / row["paper"]
         row["at_rest_over_deepspeed"] = at_rest / row["deepspeed"] if row["deepspeed"] else None
         rows.append(row)
-        print(f"{preset:>6} {name:<18}{at_rest / 2**20:10.2f}{row['peak'] / 2**20:10.2f}"
-              f"{row['paper'] / 2**20:10.2f}{row['at_rest_over_paper']:8.3f}"
-              + (f"{row['deepspeed'] / 2**20:11.2f}{row['at_rest_over_deepspeed']:8.3f}"
-                 if row["deepspeed"] else f"{'-':>11}{'-':>8}"), flush=True)
+        print(
+            f"{preset:>6} {name:<18}{at_rest / 2**20:10.2f}{row['peak'] / 2**20:10.2f}"
+            f"{row['paper'] / 2**20:10.2f}{row['at_rest_over_paper']:8.3f}"
+            + (
+                f"{row['deepspeed'] / 2**20:11.2f}{row['at_rest_over_deepspeed']:8.3f}"
+                if row["deepspeed"]
+                else f"{'-':>11}{'-':>8}"
+            ),
+            flush=True,
+        )
     return rows
 
 
@@ -84,13 +109,17 @@ def main():
     parser.add_argument("--presets", nargs="+", default=["tiny", "small", "125m"])
     args = parser.parse_args()
     print(f"MiB per device, N = {N}, bf16 + fp32 master + AdamW, one sequence per device")
-    print(f"{'preset':>6} {'contender':<18}{'at rest':>10}{'peak':>10}{'paper':>10}{'ratio':>8}"
-          f"{'DeepSpeed':>11}{'ratio':>8}")
+    print(
+        f"{'preset':>6} {'contender':<18}{'at rest':>10}{'peak':>10}{'paper':>10}{'ratio':>8}"
+        f"{'DeepSpeed':>11}{'ratio':>8}"
+    )
     rows = [row for preset in args.presets for row in measure(preset)]
+
     def draw(plt):
-        fig, axes = plt.subplots(1, len(args.presets), figsize=(4 * len(args.presets), 3.5),
-                                 squeeze=False)
-        for ax, preset in zip(axes[0], args.presets):
+        fig, axes = plt.subplots(
+            1, len(args.presets), figsize=(4 * len(args.presets), 3.5), squeeze=False
+        )
+        for ax, preset in zip(axes[0], args.presets, strict=True):
             sub = [r for r in rows if r["preset"] == preset]
             names = [r["contender"] for r in sub]
             ax.barh(names, [r["peak"] / 2**20 for r in sub], label="peak", color="#bbb")
@@ -99,6 +128,7 @@ def main():
             ax.set_xlabel("MiB per device")
         axes[0][0].legend()
         return fig
+
     write_results("peers_memory", rows, draw)
 
 

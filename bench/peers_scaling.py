@@ -13,6 +13,7 @@
    a preset whose 14Ψ/N bytes of state alone exceed the budget is skipped without compiling.
 Writes bench/results/peers_scaling.json and .png.
 """
+
 import argparse
 import pathlib
 import sys
@@ -20,25 +21,35 @@ import sys
 from benchlib import run_with_devices, write_results
 
 ROOT = pathlib.Path(__file__).parent.parent
-PRESETS = ["7b", "1.3b", "350m", "125m", "small", "tiny"]   # largest first
+PRESETS = ["7b", "1.3b", "350m", "125m", "small", "tiny"]  # largest first
 
 
 def worker(n: int, budget: int) -> dict:
     """In a process with n devices: step time and peak (item 1), largest fitting preset (2)."""
     import statistics
     import time
+
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
+
     import zerojax as zj
     from zerojax.models.gpt import make_init, train_step
-    from zerojax.models.lm import LM, LMConfig, LM_PRESETS, param_count
+    from zerojax.models.lm import LM, LM_PRESETS, LMConfig, param_count
+
     sys.path.insert(0, str(ROOT / "bench"))
     from peers_speed import SHAPE
-    cfg = LMConfig(vocab=SHAPE["vocab"], d_model=SHAPE["d_model"], n_layers=SHAPE["layers"],
-                   n_heads=SHAPE["heads"], d_ff=SHAPE["ffn"], seq_len=SHAPE["seq"],
-                   tie_embeddings=False)
+
+    cfg = LMConfig(
+        vocab=SHAPE["vocab"],
+        d_model=SHAPE["d_model"],
+        n_layers=SHAPE["layers"],
+        n_heads=SHAPE["heads"],
+        d_ff=SHAPE["ffn"],
+        seq_len=SHAPE["seq"],
+        tie_embeddings=False,
+    )
     zero = zj.zero_shard(stage=3)
     init_fn = make_init(LM(cfg), optax.adamw(1e-3))
     state, step = zero.init(init_fn, jax.random.key(0)), zero(train_step)
@@ -56,16 +67,19 @@ def worker(n: int, budget: int) -> dict:
         options = dict(offload_optimizer="cpu", offload_update="host") if offload else {}
         for preset in PRESETS:
             pcfg = LM_PRESETS[preset].replace(remat=True)
-            if 14 * param_count(pcfg) / n > budget:   # its state alone (at rest <= peak bound)
+            if 14 * param_count(pcfg) / n > budget:  # its state alone (at rest <= peak bound)
                 continue
             z = zj.zero_shard(stage=3, precision="bf16", **options)
             st = z.eval_shape(make_init(LM(pcfg), optax.adamw(1e-4)), jax.random.key(0))
-            rep = z.report(z(train_step), st,
-                           jax.ShapeDtypeStruct((n, pcfg.seq_len + 1), jnp.int32))
+            rep = z.report(
+                z(train_step), st, jax.ShapeDtypeStruct((n, pcfg.seq_len + 1), jnp.int32)
+            )
             if rep.peak_bound_bytes <= budget:
                 out["fits"]["offload" if offload else "none"] = {
-                    "preset": preset, "peak_bound_bytes": rep.peak_bound_bytes,
-                    "params": sum(x.size for x in jax.tree_util.tree_leaves(st.params))}
+                    "preset": preset,
+                    "peak_bound_bytes": rep.peak_bound_bytes,
+                    "params": sum(x.size for x in jax.tree_util.tree_leaves(st.params)),
+                }
                 break
     return out
 
@@ -73,19 +87,29 @@ def worker(n: int, budget: int) -> dict:
 def main():
     sys.path.insert(0, str(ROOT))
     from zerojax.cli import parse_bytes
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=parse_bytes, default=parse_bytes("40GB"))
     args = parser.parse_args()
     rows = []
-    print(f"{'N':>2}{'peak MiB':>10}{'s/step':>8}   largest stage-3 preset within "
-          f"{args.budget / 1e9:g} GB: no offload / optimizer offloaded")
+    print(
+        f"{'N':>2}{'peak MiB':>10}{'s/step':>8}   largest stage-3 preset within "
+        f"{args.budget / 1e9:g} GB: no offload / optimizer offloaded"
+    )
     for n in (1, 2, 4, 8):
         r = run_with_devices(n, "peers_scaling", f"worker({n}, {args.budget})")
         rows.append(r)
-        fit = lambda k: (f"{r['fits'][k]['preset']} ({r['fits'][k]['peak_bound_bytes'] / 2**30:.1f}"
-                         " GiB)") if k in r["fits"] else "none"
-        print(f"{n:>2}{r['peak_bytes'] / 2**20:10.2f}{r['step_s']:8.3f}   {fit('none')} / "
-              f"{fit('offload')}", flush=True)
+        fit = lambda k, r=r: (
+            (f"{r['fits'][k]['preset']} ({r['fits'][k]['peak_bound_bytes'] / 2**30:.1f} GiB)")
+            if k in r["fits"]
+            else "none"
+        )
+        print(
+            f"{n:>2}{r['peak_bytes'] / 2**20:10.2f}{r['step_s']:8.3f}   {fit('none')} / "
+            f"{fit('offload')}",
+            flush=True,
+        )
+
     def draw(plt):
         fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
         ns = [r["n"] for r in rows]
@@ -94,13 +118,18 @@ def main():
         a.set_ylabel("stage-3 peak MiB per device")
         a.set_xscale("log", base=2)
         for k, label in (("none", "no offload"), ("offload", "optimizer offloaded")):
-            b.plot(ns, [r["fits"][k]["params"] / 1e9 if k in r["fits"] else 0 for r in rows],
-                   "o-", label=label)
+            b.plot(
+                ns,
+                [r["fits"][k]["params"] / 1e9 if k in r["fits"] else 0 for r in rows],
+                "o-",
+                label=label,
+            )
         b.set_xlabel("devices N")
         b.set_ylabel(f"largest preset fitting {args.budget / 1e9:g} GB (B params)")
         b.set_xscale("log", base=2)
         b.legend()
         return fig
+
     write_results("peers_scaling", {"budget": args.budget, "rows": rows}, draw)
 
 

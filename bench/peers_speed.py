@@ -13,6 +13,7 @@ warm-up steps; a contender's figure is the median over rounds of its per-round m
 time, with the spread (min..max of the round medians). Ratios are zerojax / contender in
 tokens/s. Writes bench/results/peers_speed.json and .png.
 """
+
 import argparse
 import json
 import os
@@ -24,26 +25,37 @@ import sys
 from benchlib import run_with_devices, write_results
 
 ROOT = pathlib.Path(__file__).parent.parent
-TORCH_LM = os.environ.get("ZEROJAX_TORCH_LM",
-                          str(ROOT.parent / "shared" / "peers" / "torch_lm.py"))
+TORCH_LM = os.environ.get("ZEROJAX_TORCH_LM", str(ROOT.parent / "shared" / "peers" / "torch_lm.py"))
 SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
-JAX = {"zerojax stage 0": dict(stage=0), "zerojax stage 3": dict(stage=3),
-       "jit FSDP": dict(stage=3, explicit_collectives=False)}
+JAX = {
+    "zerojax stage 0": dict(stage=0),
+    "zerojax stage 3": dict(stage=3),
+    "jit FSDP": dict(stage=3, explicit_collectives=False),
+}
 TORCH = {"PyTorch DDP": "ddp", "PyTorch FSDP2": "fsdp2"}
 
 
 def jax_worker(options: dict, steps: int) -> dict:
     """Runs in a fresh process with 8 simulated devices: median step seconds of zerojax."""
     import time
+
     import jax
     import numpy as np
     import optax
+
     import zerojax as zj
     from zerojax.models.gpt import make_init, train_step
     from zerojax.models.lm import LM, LMConfig
-    cfg = LMConfig(vocab=SHAPE["vocab"], d_model=SHAPE["d_model"], n_layers=SHAPE["layers"],
-                   n_heads=SHAPE["heads"], d_ff=SHAPE["ffn"], seq_len=SHAPE["seq"],
-                   tie_embeddings=False)
+
+    cfg = LMConfig(
+        vocab=SHAPE["vocab"],
+        d_model=SHAPE["d_model"],
+        n_layers=SHAPE["layers"],
+        n_heads=SHAPE["heads"],
+        d_ff=SHAPE["ffn"],
+        seq_len=SHAPE["seq"],
+        tie_embeddings=False,
+    )
     zero = zj.zero_shard(**options)
     state = zero.init(make_init(LM(cfg), optax.adamw(1e-3)), jax.random.key(0))
     step = zero(train_step)
@@ -56,8 +68,10 @@ def jax_worker(options: dict, steps: int) -> dict:
         jax.block_until_ready(metrics["loss"])
         if i >= 3:
             times.append(time.perf_counter() - t0)
-    return {"step_s_median": statistics.median(times),
-            "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params))}
+    return {
+        "step_s_median": statistics.median(times),
+        "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
+    }
 
 
 def run_jax(options: dict, steps: int) -> dict:
@@ -65,14 +79,36 @@ def run_jax(options: dict, steps: int) -> dict:
 
 
 def run_torch(mode: str, steps: int) -> dict:
-    args = ["torchrun", "--standalone", "--nproc_per_node", "8", TORCH_LM, "--mode", mode,
-            "--layers", str(SHAPE["layers"]), "--d-model", str(SHAPE["d_model"]),
-            "--heads", str(SHAPE["heads"]), "--ffn", str(SHAPE["ffn"]),
-            "--vocab", str(SHAPE["vocab"]), "--seq", str(SHAPE["seq"]),
-            "--batch-per-rank", str(SHAPE["batch"] // 8), "--steps", str(steps), "--warmup", "3"]
+    args = [
+        "torchrun",
+        "--standalone",
+        "--nproc_per_node",
+        "8",
+        TORCH_LM,
+        "--mode",
+        mode,
+        "--layers",
+        str(SHAPE["layers"]),
+        "--d-model",
+        str(SHAPE["d_model"]),
+        "--heads",
+        str(SHAPE["heads"]),
+        "--ffn",
+        str(SHAPE["ffn"]),
+        "--vocab",
+        str(SHAPE["vocab"]),
+        "--seq",
+        str(SHAPE["seq"]),
+        "--batch-per-rank",
+        str(SHAPE["batch"] // 8),
+        "--steps",
+        str(steps),
+        "--warmup",
+        "3",
+    ]
     out = subprocess.run(args, capture_output=True, text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if not lines:      # (torchrun may abort at gloo shutdown after printing: that is fine)
+    if not lines:  # (torchrun may abort at gloo shutdown after printing: that is fine)
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
     return json.loads(lines[-1])
 
@@ -86,8 +122,11 @@ def main():
     params = {}
     for r in range(args.rounds):
         for name in medians:
-            res = run_jax(JAX[name], args.steps) if name in JAX else run_torch(TORCH[name],
-                                                                                args.steps)
+            res = (
+                run_jax(JAX[name], args.steps)
+                if name in JAX
+                else run_torch(TORCH[name], args.steps)
+            )
             medians[name].append(res["step_s_median"])
             params[name] = res["params"]
             print(f"round {r + 1}: {name:<18} {res['step_s_median']:.3f} s/step", flush=True)
@@ -95,34 +134,55 @@ def main():
     rows = {}
     for name, times in medians.items():
         med = statistics.median(times)
-        rows[name] = {"step_s": med, "step_s_min": min(times), "step_s_max": max(times),
-                      "tokens_per_s": tokens / med, "params": params[name], "rounds": times}
+        rows[name] = {
+            "step_s": med,
+            "step_s_min": min(times),
+            "step_s_max": max(times),
+            "tokens_per_s": tokens / med,
+            "params": params[name],
+            "rounds": times,
+        }
     ours = rows["zerojax stage 3"]
-    print(f"\nsame LM ({params['zerojax stage 3']:,} params), global batch {SHAPE['batch']} x "
-          f"{SHAPE['seq']}, fp32 AdamW, 8 devices / processes on this machine")
-    print(f"{'contender':<18}{'s/step':>9}{'spread':>17}{'tokens/s':>10}"
-          f"{'zerojax stage 3 / it':>22}")
+    print(
+        f"\nsame LM ({params['zerojax stage 3']:,} params), global batch {SHAPE['batch']} x "
+        f"{SHAPE['seq']}, fp32 AdamW, 8 devices / processes on this machine"
+    )
+    print(
+        f"{'contender':<18}{'s/step':>9}{'spread':>17}{'tokens/s':>10}{'zerojax stage 3 / it':>22}"
+    )
     for name, row in rows.items():
         row["stage3_ratio"] = ours["tokens_per_s"] / row["tokens_per_s"]
         # spread of the ratio from the extremes of both contenders' round medians
-        row["stage3_ratio_range"] = (min(row["rounds"]) / max(ours["rounds"]),
-                                     max(row["rounds"]) / min(ours["rounds"]))
-        print(f"{name:<18}{row['step_s']:9.3f}{row['step_s_min']:8.3f}..{row['step_s_max']:<7.3f}"
-              f"{row['tokens_per_s']:10.0f}{row['stage3_ratio']:14.2f} "
-              f"({row['stage3_ratio_range'][0]:.2f}..{row['stage3_ratio_range'][1]:.2f})")
+        row["stage3_ratio_range"] = (
+            min(row["rounds"]) / max(ours["rounds"]),
+            max(row["rounds"]) / min(ours["rounds"]),
+        )
+        print(
+            f"{name:<18}{row['step_s']:9.3f}{row['step_s_min']:8.3f}..{row['step_s_max']:<7.3f}"
+            f"{row['tokens_per_s']:10.0f}{row['stage3_ratio']:14.2f} "
+            f"({row['stage3_ratio_range'][0]:.2f}..{row['stage3_ratio_range'][1]:.2f})"
+        )
     s3_s0 = ours["step_s"] / rows["zerojax stage 0"]["step_s"]
     print(f"zerojax stage 3 / stage 0 step time: {s3_s0:.2f} (target <= 1.3)")
+
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         names = list(rows)
-        ax.barh(names, [rows[n]["tokens_per_s"] for n in names],
-                xerr=[[rows[n]["tokens_per_s"] - tokens / rows[n]["step_s_max"] for n in names],
-                      [tokens / rows[n]["step_s_min"] - rows[n]["tokens_per_s"] for n in names]])
+        ax.barh(
+            names,
+            [rows[n]["tokens_per_s"] for n in names],
+            xerr=[
+                [rows[n]["tokens_per_s"] - tokens / rows[n]["step_s_max"] for n in names],
+                [tokens / rows[n]["step_s_min"] - rows[n]["tokens_per_s"] for n in names],
+            ],
+        )
         ax.set_xlabel("tokens/s (median of round medians; bars: spread)")
         ax.set_title("same LM, 8 devices/processes, one CPU machine")
         return fig
-    write_results("peers_speed", {"shape": SHAPE, "rows": rows,
-                                  "stage3_over_stage0_step_time": s3_s0}, draw)
+
+    write_results(
+        "peers_speed", {"shape": SHAPE, "rows": rows, "stage3_over_stage0_step_time": s3_s0}, draw
+    )
 
 
 if __name__ == "__main__":

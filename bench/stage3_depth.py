@@ -8,13 +8,15 @@ off), scanned and unrolled, with activations negligible (one 8-token sequence pe
 
 Slope = (peak(L=8) - peak(L=4)) / 4, per added layer. Writes bench/results/stage3_depth.json.
 """
+
 import json
 import os
 import pathlib
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -25,17 +27,19 @@ from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 BASE = LM_PRESETS["tiny"].replace(d_model=256, n_heads=8, d_ff=704, seq_len=8)
-CONTENDERS = {"stage 0": dict(stage=0), "stage 3": dict(stage=3),
-              "stage 3 prefetch 0": dict(stage=3, prefetch=0),
-              "jit FSDP": dict(stage=3, explicit_collectives=False)}
+CONTENDERS = {
+    "stage 0": dict(stage=0),
+    "stage 3": dict(stage=3),
+    "stage 3 prefetch 0": dict(stage=3, prefetch=0),
+    "jit FSDP": dict(stage=3, explicit_collectives=False),
+}
 
 
 def peaks(scan: bool) -> dict:
     """{(contender, layers): compiled peak bytes per device}."""
     out = {}
     for layers in (4, 8):
-        init_fn = make_init(LM(BASE.replace(n_layers=layers, scan_layers=scan)),
-                            optax.adam(1e-3))
+        init_fn = make_init(LM(BASE.replace(n_layers=layers, scan_layers=scan)), optax.adam(1e-3))
         for name, options in CONTENDERS.items():
             zero = zj.zero_shard(**options)
             state = zero.eval_shape(init_fn, jax.random.key(0))
@@ -48,18 +52,25 @@ def main():
     mib = lambda b: f"{b / 2**20:8.2f}"
     results = {}
     print("peak MiB per device (fp32 + Adam, N = 8, d_model 256); slope = MiB per added layer")
-    print(f"{'layers':>9} {'contender':>18} {'L=4':>8} {'L=8':>8} {'slope':>8} "
-          f"{'slope/stage0':>12}")
+    print(
+        f"{'layers':>9} {'contender':>18} {'L=4':>8} {'L=8':>8} {'slope':>8} {'slope/stage0':>12}"
+    )
     for scan in (True, False):
         p = peaks(scan)
         slope0 = (p[("stage 0", 8)] - p[("stage 0", 4)]) / 4
         for name in CONTENDERS:
             slope = (p[(name, 8)] - p[(name, 4)]) / 4
             kind = "scanned" if scan else "unrolled"
-            results[f"{kind}/{name}"] = {"peak_L4": p[(name, 4)], "peak_L8": p[(name, 8)],
-                                         "slope": slope, "slope_ratio": slope / slope0}
-            print(f"{kind:>9} {name:>18} {mib(p[(name, 4)])} {mib(p[(name, 8)])} {mib(slope)} "
-                  f"{slope / slope0:12.3f}")
+            results[f"{kind}/{name}"] = {
+                "peak_L4": p[(name, 4)],
+                "peak_L8": p[(name, 8)],
+                "slope": slope,
+                "slope_ratio": slope / slope0,
+            }
+            print(
+                f"{kind:>9} {name:>18} {mib(p[(name, 4)])} {mib(p[(name, 8)])} {mib(slope)} "
+                f"{slope / slope0:12.3f}"
+            )
     out = pathlib.Path(__file__).parent / "results" / "stage3_depth.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

@@ -6,22 +6,24 @@
 The data is embedded on every machine: the bytes of the Python standard library's own source.
 Every stage starts from the same initial state and sees the same batches, so the losses agree.
 """
+
 import argparse
 import os
 import sys
 import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_force_host_platform_device_count=8").strip()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models import GPT, PRESETS  # noqa: E402
-from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.data import random_windows, stdlib_tokens  # noqa: E402
+from zerojax.models.gpt import make_init, train_step  # noqa: E402
 
 
 def main(argv=None):
@@ -38,17 +40,22 @@ def main(argv=None):
     init_fn = make_init(GPT(cfg), optax.adamw(1e-3))
     tokens = stdlib_tokens()
     data = random_windows(tokens, args.steps, args.batch_size, cfg.seq_len)
-    print(f"{len(jax.devices())} devices, preset {args.preset}, "
-          f"{len(tokens) / 2**20:.1f} MiB of stdlib source as byte tokens")
+    print(
+        f"{len(jax.devices())} devices, preset {args.preset}, "
+        f"{len(tokens) / 2**20:.1f} MiB of stdlib source as byte tokens"
+    )
 
     for stage in [int(s) for s in args.stages.split(",")]:
-        zero = zj.zero_shard(stage=stage, precision=args.precision,
-                             gradient_accumulation_steps=args.grad_accum,
-                             gradient_clipping=args.clip)
+        zero = zj.zero_shard(
+            stage=stage,
+            precision=args.precision,
+            gradient_accumulation_steps=args.grad_accum,
+            gradient_clipping=args.clip,
+        )
         state = zero.init(init_fn, jax.random.key(0))
         step = zero(train_step)
         report = zero.report(step, state, data[0])
-        warm = max(1, args.grad_accum)         # after the first optimizer step's compiles
+        warm = max(1, args.grad_accum)  # after the first optimizer step's compiles
         for i, batch in enumerate(data):
             if i == warm:
                 t0 = time.perf_counter()
@@ -57,8 +64,10 @@ def main(argv=None):
                 print(f"stage {stage} step {i:4d} loss {float(metrics['loss']):.4f}", flush=True)
         if len(data) > warm:
             jax.block_until_ready(state)
-            print(f"stage {stage}: {(len(data) - warm) / (time.perf_counter() - t0):.1f} calls/s "
-                  "on this machine (simulated devices share its cores)")
+            print(
+                f"stage {stage}: {(len(data) - warm) / (time.perf_counter() - t0):.1f} calls/s "
+                "on this machine (simulated devices share its cores)"
+            )
         print(report, "\n", flush=True)
 
 

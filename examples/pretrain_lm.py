@@ -10,6 +10,7 @@ takes text files / globs or one uint16 token file. Checkpoints (`--ckpt-dir`) re
 automatically; metrics go to LOG_DIR/metrics.jsonl (and TensorBoard, and a PNG plot, when
 `pip install zerojax[examples]` brought tensorboardX and matplotlib).
 """
+
 import argparse
 import json
 import os
@@ -49,15 +50,25 @@ def parse(argv=None):
 
 def train_step(state, tokens):
     """The plain Flax step: next-token cross-entropy, value_and_grad, apply_gradients."""
+
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
 
-PEAK_BF16_TFLOPS = {"H200": 989, "H100": 989, "A100": 312, "L4": 121, "TPU v4": 275,
-                    "TPU v5 lite": 197, "TPU v5e": 197, "TPU v5p": 459}
+PEAK_BF16_TFLOPS = {
+    "H200": 989,
+    "H100": 989,
+    "A100": 312,
+    "L4": 121,
+    "TPU v4": 275,
+    "TPU v5 lite": 197,
+    "TPU v5e": 197,
+    "TPU v5p": 459,
+}
 
 
 def flops_per_token(cfg, params: int) -> float:
@@ -84,10 +95,13 @@ class Logger:
         self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
         try:
             from tensorboardX import SummaryWriter
+
             self.tb = SummaryWriter(log_dir)
         except ImportError:
-            print("(tensorboardX not installed: no TensorBoard files; pip install "
-                  "'zerojax[examples]')")
+            print(
+                "(tensorboardX not installed: no TensorBoard files; pip install "
+                "'zerojax[examples]')"
+            )
 
     def log(self, record: dict):
         self.records.append(record)
@@ -108,6 +122,7 @@ class Logger:
             self.tb.close()
         try:
             import matplotlib
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
@@ -117,7 +132,9 @@ class Logger:
         for key in ("loss", "eval_loss"):
             pts = [(r["step"], r[key]) for r in self.records if key in r]
             if pts:
-                ax.plot(*zip(*pts), label=key, marker="o" if key == "eval_loss" else None)
+                ax.plot(
+                    *zip(*pts, strict=True), label=key, marker="o" if key == "eval_loss" else None
+                )
         ax.set_xlabel("step")
         ax.set_ylabel("nats / token")
         ax.legend()
@@ -126,8 +143,9 @@ class Logger:
 
 
 def evaluate(eval_loss, state, zero, batches) -> float:
-    params = jax.tree_util.tree_map(            # offloaded parameters come to the device
-        lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), state.params)
+    params = jax.tree_util.tree_map(  # offloaded parameters come to the device
+        lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), state.params
+    )
     return float(sum(eval_loss(params, zero.place_batch(b)) for b in batches) / len(batches))
 
 
@@ -139,7 +157,7 @@ def sample(model, params, prompt: bytes, length: int, seq_len: int, seed: int) -
     out, key = list(prompt), jax.random.key(seed)
     for _ in range(length):
         window = out[-seq_len:]
-        tokens[0, :len(window)] = window
+        tokens[0, : len(window)] = window
         key, sub = jax.random.split(key)
         logits = logits_at(params, tokens, len(window) - 1)
         out.append(int(jax.random.categorical(sub, logits / 0.8)))
@@ -149,8 +167,10 @@ def sample(model, params, prompt: bytes, length: int, seq_len: int, seed: int) -
 def main(argv=None):
     args = parse(argv)
     if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   f" --xla_force_host_platform_device_count={args.devices}")
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={args.devices}"
+        )
     global jax, np, optax
     import jax
     import numpy as np
@@ -168,29 +188,38 @@ def main(argv=None):
     say = print if main_process else (lambda *a, **k: None)
 
     cfg = LM_PRESETS[args.preset].replace(**({"seq_len": args.seq_len} if args.seq_len else {}))
-    overrides = {k: v for k, v in (("stage", args.stage), ("precision", args.precision))
-                 if v is not None}
+    overrides = {
+        k: v for k, v in (("stage", args.stage), ("precision", args.precision)) if v is not None
+    }
     if args.config is None:
         overrides.setdefault("stage", 3)
     zero = zj.zero_shard(config=args.config, **overrides)
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup,
-                                                  max(args.steps, args.warmup + 1), args.lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), args.lr * 0.1
+    )
     model = LM(cfg)
-    init_fn = make_init(model, optax.adamw(schedule, b1=0.9, b2=0.95,
-                                           weight_decay=args.weight_decay))
+    init_fn = make_init(
+        model, optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+    )
     tokens, source = load_tokens(args.data)
     batches = Batches(tokens, cfg.seq_len, args.batch_size, args.seed)
     if args.batch_size % (n_proc * zero.axis_size // n_proc):
-        raise SystemExit(f"--batch-size {args.batch_size} does not divide over "
-                         f"{zero.axis_size} devices.")
+        raise SystemExit(
+            f"--batch-size {args.batch_size} does not divide over {zero.axis_size} devices."
+        )
     local = args.batch_size // n_proc
     rows = slice(jax.process_index() * local, (jax.process_index() + 1) * local)
 
     key, start = jax.random.key(args.seed), 0
     ckpt = None
     if args.ckpt_dir:
-        ckpt = zj.CheckpointManager(args.ckpt_dir, zero, save_interval_steps=args.save_every,
-                                    max_to_keep=3, save_on_preemption=True)
+        ckpt = zj.CheckpointManager(
+            args.ckpt_dir,
+            zero,
+            save_interval_steps=args.save_every,
+            max_to_keep=3,
+            save_on_preemption=True,
+        )
     if ckpt is not None and ckpt.latest_step() is not None:
         state, extra = ckpt.restore(jax.eval_shape(init_fn, key))
         start = extra["data_position"]
@@ -200,10 +229,12 @@ def main(argv=None):
     step = zero(train_step)
     params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
 
-    report = zero.report(step, state, jax.ShapeDtypeStruct((args.batch_size, cfg.seq_len + 1),
-                                                           np.int32))
+    report = zero.report(
+        step, state, jax.ShapeDtypeStruct((args.batch_size, cfg.seq_len + 1), np.int32)
+    )
     mib = lambda b: f"{b / 2**20:,.1f} MiB"
-    say(f"zerojax pretrain_lm: preset {args.preset} ({params:,} parameters, {cfg.n_layers} "
+    say(
+        f"zerojax pretrain_lm: preset {args.preset} ({params:,} parameters, {cfg.n_layers} "
         f"layers, seq {cfg.seq_len}), data: {source}\n"
         f"  {zero!r} on {jax.device_count()} {jax.devices()[0].platform} devices in {n_proc} "
         f"process(es); precision {zero.config.precision}, offload optimizer "
@@ -211,20 +242,25 @@ def main(argv=None):
         f"  per device: state at rest {mib(sum(report.resident.values()))}, host "
         f"{mib(sum(report.host_resident.values()))}, compiled peak {mib(report.peak_bytes)}; "
         f"communication {mib(report.sent_bytes)} sent per step"
-        + (f" ({mib(report.cross_node_bytes)} across nodes)" if "node" in zero.mesh.shape
-           else "") + "\n"
+        + (f" ({mib(report.cross_node_bytes)} across nodes)" if "node" in zero.mesh.shape else "")
+        + "\n"
         f"  {args.steps} steps of {args.batch_size} x {cfg.seq_len} tokens, lr {args.lr} "
-        f"(warmup {args.warmup}, cosine), log {args.log_dir}")
+        f"(warmup {args.warmup}, cosine), log {args.log_dir}"
+    )
 
     logger = Logger(args.log_dir, main_process)
-    eval_loss = jax.jit(lambda p, t: optax.softmax_cross_entropy_with_integer_labels(
-        model.apply({"params": p}, t[:, :-1]), t[:, 1:]).mean())
+    eval_loss = jax.jit(
+        lambda p, t: optax.softmax_cross_entropy_with_integer_labels(
+            model.apply({"params": p}, t[:, :-1]), t[:, 1:]
+        ).mean()
+    )
     held_out = batches.eval_batches(args.eval_batches, rows)
     peak, fpt = peak_flops(args), flops_per_token(cfg, params)
     bar = None
     if main_process and not args.no_progress:
         try:
             from tqdm import tqdm
+
             bar = tqdm(total=args.steps, initial=start, dynamic_ncols=True)
         except ImportError:
             pass
@@ -238,12 +274,19 @@ def main(argv=None):
         tokens_done += args.batch_size * cfg.seq_len
         mfu = fpt * tps / (peak * jax.device_count()) if peak else None
         stats = jax.local_devices()[0].memory_stats() or {}
-        record = {"step": position + 1, "loss": loss, "lr": float(schedule(position)),
-                  "tokens_per_s": tps, **({"mfu": mfu} if mfu is not None else {})}
+        record = {
+            "step": position + 1,
+            "loss": loss,
+            "lr": float(schedule(position)),
+            "tokens_per_s": tps,
+            **({"mfu": mfu} if mfu is not None else {}),
+        }
         logger.log(record)
-        shown = (f"loss {loss:.3f} | {tps:,.0f} tok/s | MFU "
-                 f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
-                 f"{mib(stats['bytes_in_use']) if 'bytes_in_use' in stats else 'n/a'}")
+        shown = (
+            f"loss {loss:.3f} | {tps:,.0f} tok/s | MFU "
+            f"{'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
+            f"{mib(stats['bytes_in_use']) if 'bytes_in_use' in stats else 'n/a'}"
+        )
         if bar is not None:
             bar.set_description(shown, refresh=False)
             bar.update(1)
@@ -265,12 +308,17 @@ def main(argv=None):
         ckpt.close()
     elapsed = time.perf_counter() - t_start
     logger.close()
-    say(f"done: {tokens_done:,} tokens in {elapsed:.1f} s "
-        f"({tokens_done / max(elapsed, 1e-9):,.0f} tok/s)")
+    say(
+        f"done: {tokens_done:,} tokens in {elapsed:.1f} s "
+        f"({tokens_done / max(elapsed, 1e-9):,.0f} tok/s)"
+    )
     if args.sample_len and params * 4 < 2**30:
-        full = multihost_utils.process_allgather(jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), state.params),
-            tiled=True)
+        full = multihost_utils.process_allgather(
+            jax.tree_util.tree_map(
+                lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), state.params
+            ),
+            tiled=True,
+        )
         say("sample:\n" + sample(model, full, b"def ", args.sample_len, cfg.seq_len, args.seed))
     if n_proc > 1:
         jax.distributed.shutdown()

@@ -6,6 +6,7 @@ launched by test_checkpoint.py (killed with SIGKILL, sent SIGTERM, or run as 2 p
 Appends "step loss" lines to LOSSES_FILE (a resumed run repeats the steps after its
 checkpoint; the last line per step counts) and prints "ready" after the first step it runs.
 """
+
 import os
 import sys
 
@@ -33,8 +34,9 @@ class RngState(train_state.TrainState):
 def init_fn(key):
     model = LM(CFG)
     params = model.init(key, jnp.zeros((1, CFG.seq_len), jnp.int32))["params"]
-    return RngState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3),
-                           rng=jax.random.key(7))
+    return RngState.create(
+        apply_fn=model.apply, params=params, tx=optax.adamw(1e-3), rng=jax.random.key(7)
+    )
 
 
 def train_step(state, tokens):
@@ -46,13 +48,15 @@ def train_step(state, tokens):
         logits = state.apply_fn({"params": params}, tokens[:, :-1])
         logits = logits + 0.01 * jax.random.normal(noise_key, logits.shape)
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads).replace(rng=rng), {"loss": loss}
 
 
 def batch(position: int):
-    return np.random.default_rng(position).integers(0, CFG.vocab, (16, CFG.seq_len + 1),
-                                                    dtype=np.int32)
+    return np.random.default_rng(position).integers(
+        0, CFG.vocab, (16, CFG.seq_len + 1), dtype=np.int32
+    )
 
 
 def main():
@@ -64,8 +68,12 @@ def main():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
     zero = zj.zero_shard(**ZERO)
-    ckpt = zj.CheckpointManager(ckpt_dir, zero, save_on_preemption="--preempt" in sys.argv,
-                                save_interval_steps=1000 if "--preempt" in sys.argv else 1)
+    ckpt = zj.CheckpointManager(
+        ckpt_dir,
+        zero,
+        save_on_preemption="--preempt" in sys.argv,
+        save_interval_steps=1000 if "--preempt" in sys.argv else 1,
+    )
     state, position = zero.init(init_fn, jax.random.key(0)), 0
     if ckpt.latest_step() is not None:
         state, extra = ckpt.restore(jax.eval_shape(init_fn, jax.random.key(0)))
@@ -74,8 +82,8 @@ def main():
     with open(losses_file, "a") as log:
         while position < steps:
             tokens = batch(position)
-            if MULTIPROCESS:                    # each process feeds its half of the batch
-                tokens = tokens[process * 8:(process + 1) * 8]
+            if MULTIPROCESS:  # each process feeds its half of the batch
+                tokens = tokens[process * 8 : (process + 1) * 8]
             state, metrics = step(state, tokens)
             position += 1
             log.write(f"{position} {float(metrics['loss'])!r}\n")

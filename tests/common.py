@@ -1,4 +1,5 @@
 """A small Flax transformer, its unchanged train step, and plain single-device training."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,14 +16,17 @@ def make_init(tx, model=MODEL, cfg=CFG):
     def init_fn(key):
         params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
     return init_fn
 
 
 def train_step(state, batch):
     """The unchanged single-device Flax step of DESIGN.md section 1."""
+
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
@@ -82,7 +86,7 @@ def assert_trees_close(got, want, rtol=PARITY_RTOL):
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
     want_leaves = jax.tree_util.tree_leaves(want)
     assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
-    for (path, a), b in zip(got_leaves, want_leaves):
+    for (path, a), b in zip(got_leaves, want_leaves, strict=True):
         a, b, name = np.asarray(a), np.asarray(b), jax.tree_util.keystr(path)
         assert a.shape == b.shape, (name, a.shape, b.shape)
         if not np.issubdtype(a.dtype, np.floating):
@@ -95,12 +99,21 @@ def assert_trees_close(got, want, rtol=PARITY_RTOL):
 def zeropp_setup(steps):
     """The tiny LM (gather_on_use layers) with qwZ + hpZ + qgZ on a (node, local) mesh: one
     node per process here, (2, 4) simulated in one process by the test."""
-    from zerojax.models.gpt import make_init as lm_init, train_step as lm_step
+    from zerojax.models.gpt import make_init as lm_init
+    from zerojax.models.gpt import train_step as lm_step
     from zerojax.models.lm import LM, LM_PRESETS
+
     cfg = LM_PRESETS["tiny"].replace(n_layers=2, seq_len=16)
     rng = np.random.default_rng(0)
-    data = [(rng.integers(0, cfg.vocab, (16, 1)) + np.arange(cfg.seq_len + 1)) % cfg.vocab
-            for _ in range(steps)]
-    options = dict(stage=3, quantized_weights=True, hpz_partition_size=4,
-                   quantized_gradients=True, persistence_threshold=0)
+    data = [
+        (rng.integers(0, cfg.vocab, (16, 1)) + np.arange(cfg.seq_len + 1)) % cfg.vocab
+        for _ in range(steps)
+    ]
+    options = dict(
+        stage=3,
+        quantized_weights=True,
+        hpz_partition_size=4,
+        quantized_gradients=True,
+        persistence_threshold=0,
+    )
     return lm_init(LM(cfg), optax.adam(1e-2)), lm_step, data, options

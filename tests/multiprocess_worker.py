@@ -1,6 +1,7 @@
 """One process of a real multi-controller run (gloo collectives on 127.0.0.1), launched by
 test_multiprocess.py: trains every stage for a few steps, each process passing only its own
 slice of the global batch, and (process 0) writes losses and final parameters to an .npz."""
+
 import os
 import sys
 
@@ -13,8 +14,9 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
-import zerojax as zj  # noqa: E402
 from common import batches, make_init, train_step, zeropp_setup  # noqa: E402
+
+import zerojax as zj  # noqa: E402
 
 
 def main(process_id: int, port: int, out: str, steps: int):
@@ -28,8 +30,8 @@ def main(process_id: int, port: int, out: str, steps: int):
         step = zero(train_step)
         losses = []
         for batch in batches(steps):
-            half = len(batch["inputs"]) // 2      # this process's rows of the global batch
-            local = {k: v[process_id * half:(process_id + 1) * half] for k, v in batch.items()}
+            half = len(batch["inputs"]) // 2  # this process's rows of the global batch
+            local = {k: v[process_id * half : (process_id + 1) * half] for k, v in batch.items()}
             state, metrics = step(state, local)
             losses.append(float(metrics["loss"]))
         results[f"losses_{stage}"] = np.array(losses)
@@ -47,7 +49,7 @@ def train_zeropp(process_id, steps):
     zero = zj.zero_shard(mesh=zj.make_mesh(local=jax.local_device_count()), **options)
     state, step, losses = zero.init(init_fn, jax.random.key(0)), zero(step_fn), []
     for batch in data:
-        state, metrics = step(state, batch[process_id * 8:(process_id + 1) * 8])
+        state, metrics = step(state, batch[process_id * 8 : (process_id + 1) * 8])
         losses.append(float(metrics["loss"]))
     return {"losses_zeropp": np.array(losses)}
 

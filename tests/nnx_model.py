@@ -1,18 +1,19 @@
 """The parity GPT of common.py written in Flax NNX, its NNX train step, and plain single-device
 NNX training (the reference an NNX run under every stage must match)."""
+
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
-
 from common import CFG
+from flax import nnx
 
 
 class Block(nnx.Module):
     def __init__(self, cfg, rngs):
         self.ln1 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(cfg.n_heads, cfg.d_model, use_bias=False,
-                                           decode=False, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(
+            cfg.n_heads, cfg.d_model, use_bias=False, decode=False, rngs=rngs
+        )
         self.ln2 = nnx.LayerNorm(cfg.d_model, rngs=rngs)
         self.up = nnx.Linear(cfg.d_model, cfg.d_ff, rngs=rngs)
         self.down = nnx.Linear(cfg.d_ff, cfg.d_model, rngs=rngs)
@@ -47,9 +48,11 @@ def make_objects(tx, seed=0):
 
 def nnx_train_step(model, optimizer, batch):
     """The unchanged single-device NNX step, as Flax's docs write it."""
+
     def loss_fn(model):
         logits = model(batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
     return {"loss": loss}

@@ -1,4 +1,5 @@
 """`zerojax plan` in a fresh process (it sets the simulated device count before jax starts)."""
+
 import json
 import os
 import subprocess
@@ -9,21 +10,49 @@ import pytest
 
 def _plan(*args):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "zerojax.cli", "plan", *args], env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "plan", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_plan_json_rows(tmp_path):
-    out = _plan("--preset", "tiny", "--devices", "8", "--json", "--device-memory", "1GB",
-                "--dump-hlo", str(tmp_path))
+    out = _plan(
+        "--preset",
+        "tiny",
+        "--devices",
+        "8",
+        "--json",
+        "--device-memory",
+        "1GB",
+        "--dump-hlo",
+        str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)
     assert [(r["stage"], r["offload"]) for r in rows] == [
-        (0, "none"), (1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"),
-        (3, "optimizer"), (3, "optimizer+param")]
+        (0, "none"),
+        (1, "none"),
+        (2, "none"),
+        (3, "none"),
+        (1, "optimizer"),
+        (2, "optimizer"),
+        (3, "optimizer"),
+        (3, "optimizer+param"),
+    ]
     for r in rows:
-        assert {"stage", "offload", "peak_bytes", "at_rest_bytes", "comm_bytes",
-                "cross_node_bytes", "fits"} <= set(r) and r["fits"] is True
+        assert {
+            "stage",
+            "offload",
+            "peak_bytes",
+            "at_rest_bytes",
+            "comm_bytes",
+            "cross_node_bytes",
+            "fits",
+        } <= set(r) and r["fits"] is True
     psi = rows[0]["params"]
     # bf16 params + fp32 master + Adam: 14Ψ at stage 0, 14Ψ/N at stage 3 (small leaves whole)
     assert rows[0]["at_rest_bytes"] == pytest.approx(14 * psi, rel=1e-3)
@@ -38,8 +67,17 @@ def test_plan_json_rows(tmp_path):
 
 
 def test_plan_table_and_bad_input():
-    out = _plan("--preset", "tiny", "--devices", "4", "--stage", "3", "--device-memory",
-                "1MB", "--no-offload")
+    out = _plan(
+        "--preset",
+        "tiny",
+        "--devices",
+        "4",
+        "--stage",
+        "3",
+        "--device-memory",
+        "1MB",
+        "--no-offload",
+    )
     assert out.returncode == 0 and "cheapest that fits 0.001 GB: none" in out.stdout
     bad = _plan("--preset", "tiny", "--mesh", "3x3")
     assert bad.returncode != 0 and "NODES x LOCAL = --devices 8" in bad.stderr
@@ -48,13 +86,23 @@ def test_plan_table_and_bad_input():
 
 
 def test_plan_on_a_node_local_mesh_counts_cross_node_bytes():
-    out = _plan("--preset", "tiny", "--mesh", "2x4", "--stage", "3", "--no-offload", "--json",
-                "--device-memory", "1GB")
+    out = _plan(
+        "--preset",
+        "tiny",
+        "--mesh",
+        "2x4",
+        "--stage",
+        "3",
+        "--no-offload",
+        "--json",
+        "--device-memory",
+        "1GB",
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     rows = {r["zeropp"]: r for r in json.loads(out.stdout)}
     assert set(rows) == {"none", "qwZ+hpZ+qgZ", "MiCS"}
     assert all(r["mesh"] == {"node": 2, "local": 4} for r in rows.values())
     plain, zeropp = rows["none"], rows["qwZ+hpZ+qgZ"]
-    assert plain["cross_node_bytes"] == plain["comm_sent_bytes"]   # every group spans nodes
+    assert plain["cross_node_bytes"] == plain["comm_sent_bytes"]  # every group spans nodes
     assert zeropp["cross_node_bytes"] < 0.3 * plain["cross_node_bytes"]
     assert rows["MiCS"]["at_rest_bytes"] > plain["at_rest_bytes"]  # sharded over 4, not 8

@@ -1,5 +1,6 @@
 """The example's data: the embedded default, text globs, uint16 token files (memory-mapped),
 a fixed held-out split, and batches that depend only on (seed, position) and the rows asked."""
+
 import numpy as np
 import pytest
 
@@ -27,10 +28,10 @@ def test_batches_are_deterministic_split_and_sliced():
     assert len(data.held_out) == int(round(len(tokens) * HELD_OUT))
     full = data.train_batch(5)
     assert full.shape == (8, 17) and full.dtype == np.int32
-    assert np.array_equal(full, Batches(tokens, 16, 8, seed=3).train_batch(5))   # by position
-    assert np.array_equal(data.train_batch(5, slice(4, 8)), full[4:])    # a process's rows
-    assert full.max() < len(data.train)                         # never the held-out tokens
-    assert np.all(np.diff(full, axis=1) == 1)                   # contiguous windows
+    assert np.array_equal(full, Batches(tokens, 16, 8, seed=3).train_batch(5))  # by position
+    assert np.array_equal(data.train_batch(5, slice(4, 8)), full[4:])  # a process's rows
+    assert full.max() < len(data.train)  # never the held-out tokens
+    assert np.all(np.diff(full, axis=1) == 1)  # contiguous windows
     evals = data.eval_batches(2)
     assert all(b.min() >= len(data.train) for b in evals)
     assert np.array_equal(evals[0], data.eval_batches(2)[0])

@@ -1,5 +1,6 @@
 """`zero.describe`: the table of every leaf (golden file for the example 'small' preset) and the
 guard on leaves that stay replicated."""
+
 import os
 import pathlib
 
@@ -18,10 +19,12 @@ GOLDEN = pathlib.Path(__file__).parent / "golden" / "describe_small_stage3_bf16_
 def test_describe_small_preset_matches_golden_file(capsys):
     """Regenerate with ZEROJAX_UPDATE_GOLDEN=1 after a deliberate change to the rules; the diff
     of this file is the review of that change."""
-    zero = zj.zero_shard(stage=3, precision="bf16", offload_optimizer="cpu",
-                         mesh=zj.make_mesh(jax.devices()[:8]))
-    state = zero.eval_shape(make_init(LM(LM_PRESETS["small"]), optax.adamw(3e-4)),
-                            jax.random.key(0))
+    zero = zj.zero_shard(
+        stage=3, precision="bf16", offload_optimizer="cpu", mesh=zj.make_mesh(jax.devices()[:8])
+    )
+    state = zero.eval_shape(
+        make_init(LM(LM_PRESETS["small"]), optax.adamw(3e-4)), jax.random.key(0)
+    )
     out = zero.describe(state)
     text = capsys.readouterr().out
     assert text == str(out)
@@ -51,6 +54,10 @@ def test_replicated_leaves_warn_and_tolerance_raises():
     assert out.replicated_fraction == pytest.approx(203 * 7 / (203 * 7 + 64 * 256))
     with pytest.raises(zj.ZeroError, match=r"tolerance 2\.00%.*params/table"):
         zero.describe(state, tolerance=0.02, show=False)
-    zero.describe(zj.zero_shard(stage=3, persistence_threshold=0).shard(
-        {"params": {"kernel": jnp.zeros((64, 256))}, "opt_state": ()}), tolerance=0.0,
-        show=False)      # nothing replicated: passes a zero tolerance
+    zero.describe(
+        zj.zero_shard(stage=3, persistence_threshold=0).shard(
+            {"params": {"kernel": jnp.zeros((64, 256))}, "opt_state": ()}
+        ),
+        tolerance=0.0,
+        show=False,
+    )  # nothing replicated: passes a zero tolerance

@@ -1,12 +1,13 @@
 """User mistakes fail at once, with a message that says what to change."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import batches, make_init, train_step
 
 import zerojax as zj
-from common import batches, make_init, train_step
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +29,16 @@ def test_state_without_params():
         zero.init(lambda key: {"weights": jnp.zeros((8, 8)), "opt_state": ()}, jax.random.key(0))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"stage": 5}, "stage must be 0, 1, 2 or 3"),
-    ({"stag": 3}, "unknown zerojax option 'stag' \\(did you mean 'stage'\\?\\)"),
-    ({"persistence_threshold": -1}, "persistence_threshold must be"),
-    ({"rules": [("(", 0)]}, "does not compile"),
-    ({"axis": "model", "mesh": "default"}, "mesh has axes \\('data',\\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stage": 5}, "stage must be 0, 1, 2 or 3"),
+        ({"stag": 3}, "unknown zerojax option 'stag' \\(did you mean 'stage'\\?\\)"),
+        ({"persistence_threshold": -1}, "persistence_threshold must be"),
+        ({"rules": [("(", 0)]}, "does not compile"),
+        ({"axis": "model", "mesh": "default"}, "mesh has axes \\('data',\\)"),
+    ],
+)
 def test_bad_options(kwargs, match):
     if kwargs.get("mesh") == "default":
         kwargs = {**kwargs, "mesh": zj.make_mesh()}
@@ -57,10 +61,13 @@ def test_step_must_return_the_state(zero_and_state):
 
 def test_model_output_that_is_not_per_example(zero_and_state):
     zero, state = zero_and_state
+
     def step(state, batch):
-        def loss_fn(params):   # reduces inside apply_fn: the output is a scalar
+        def loss_fn(params):  # reduces inside apply_fn: the output is a scalar
             return state.apply_fn({"params": params}, batch["inputs"]).mean()
+
         return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
     wrapped_apply = state.apply_fn
     state = state.replace(apply_fn=lambda v, x: wrapped_apply(v, x).mean())
     with pytest.raises(zj.ZeroError, match="explicit_collectives=False"):
@@ -71,7 +78,7 @@ def test_a_good_state_is_left_usable_after_a_failed_call(zero_and_state):
     zero, state = zero_and_state
     with pytest.raises(zj.ZeroError):
         zero(train_step)(state, batches(1, batch_size=12)[0])
-    new_state, metrics = zero(train_step)(state, batches(1)[0])   # nothing was donated
+    new_state, metrics = zero(train_step)(state, batches(1)[0])  # nothing was donated
     assert np.isfinite(float(metrics["loss"]))
 
 
@@ -80,7 +87,7 @@ def test_managed_update_needs_a_managed_state():
     plain = zj.zero_shard(stage=2).init(make_init(optax.adam(1e-3)), jax.random.key(0))
     with pytest.raises(zj.ZeroError, match="zero.init\\(...\\) or zero.shard\\(state\\)"):
         zero(train_step)(plain, batches(1)[0])
-    managed = zero.shard(plain)                      # shard() adds master weights and buffers
+    managed = zero.shard(plain)  # shard() adds master weights and buffers
     state, metrics = zero(train_step)(managed, batches(1)[0])
     assert np.isfinite(float(metrics["loss"])) and "loss_scale" in metrics
 
@@ -88,9 +95,11 @@ def test_managed_update_needs_a_managed_state():
 def test_apply_gradients_twice_in_a_managed_step():
     zero = zj.zero_shard(stage=1, gradient_clipping=1.0)
     state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+
     def twice(state, batch):
         new, metrics = train_step(state, batch)
         return train_step(new, batch)
+
     with pytest.raises(zj.ZeroError, match="exactly once"):
         zero(twice)(state, batches(1)[0])
 

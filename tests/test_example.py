@@ -1,5 +1,6 @@
 """examples/pretrain_lm.py end to end, in fresh processes: it learns, logs, survives SIGKILL
 (the same command resumes and continues bitwise), and 2 launched processes match 1."""
+
 import json
 import os
 import pathlib
@@ -21,8 +22,13 @@ def _env():
 
 
 def _run(*args, timeout=600):
-    out = subprocess.run([sys.executable, SCRIPT, "--no-progress", *map(str, args)],
-                         env=_env(), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--no-progress", *map(str, args)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -44,8 +50,20 @@ def _losses(log_dir) -> dict:
 
 
 def test_killed_run_resumes_with_the_same_command(tmp_path):
-    common = ["--steps", 16, "--eval-every", 8, "--save-every", 4, "--batch-size", 16,
-              "--seq-len", 64, "--sample-len", 16]
+    common = [
+        "--steps",
+        16,
+        "--eval-every",
+        8,
+        "--save-every",
+        4,
+        "--batch-size",
+        16,
+        "--seq-len",
+        64,
+        "--sample-len",
+        16,
+    ]
     ref = tmp_path / "ref"
     out = _run(*common, "--log-dir", ref)
     assert "eval loss" in out and "sample:" in out and "per device: state at rest" in out
@@ -56,30 +74,67 @@ def test_killed_run_resumes_with_the_same_command(tmp_path):
     assert any(p.name.startswith("events.out.tfevents") for p in ref.iterdir())
 
     run = tmp_path / "run"
-    args = [sys.executable, SCRIPT, "--no-progress", *map(str, common), "--log-dir", run,
-            "--ckpt-dir", tmp_path / "ckpt"]
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    args = [
+        sys.executable,
+        SCRIPT,
+        "--no-progress",
+        *map(str, common),
+        "--log-dir",
+        run,
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+    ]
+    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline and not (
-            (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 9):
+        (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 9
+    ):
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     out = _run(*common, "--log-dir", run, "--ckpt-dir", tmp_path / "ckpt")
     resumed = re.search(r"resumed from .* at step (\d+)", out)
-    assert resumed and int(resumed.group(1)) in (4, 8, 12), out[-2000:]   # not from 0
-    assert _losses(run) == _losses(ref)          # the curve continues, bitwise
+    assert resumed and int(resumed.group(1)) in (4, 8, 12), out[-2000:]  # not from 0
+    assert _losses(run) == _losses(ref)  # the curve continues, bitwise
 
 
 def test_two_launched_processes_match_one(tmp_path):
-    common = ["--steps", 4, "--eval-every", 0, "--batch-size", 16, "--seq-len", 64,
-              "--sample-len", 0]
+    common = [
+        "--steps",
+        4,
+        "--eval-every",
+        0,
+        "--batch-size",
+        16,
+        "--seq-len",
+        64,
+        "--sample-len",
+        0,
+    ]
     _run(*common, "--log-dir", tmp_path / "one")
-    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", "-n", "2",
-                          "--devices-per-process", "4", "--", sys.executable, SCRIPT,
-                          "--no-progress", *map(str, common), "--log-dir", tmp_path / "two"],
-                         env=_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "launch",
+            "-n",
+            "2",
+            "--devices-per-process",
+            "4",
+            "--",
+            sys.executable,
+            SCRIPT,
+            "--no-progress",
+            *map(str, common),
+            "--log-dir",
+            tmp_path / "two",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "[0] " in out.stdout and "in 2 process(es)" in out.stdout
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
@@ -88,15 +143,31 @@ def test_two_launched_processes_match_one(tmp_path):
 
 
 def test_launch_stops_everything_when_one_process_fails():
-    code = ("import os, sys, time\n"
-            "if os.environ['ZEROJAX_PROCESS_ID'] == '1': sys.exit(3)\n"
-            "time.sleep(60)")
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['ZEROJAX_PROCESS_ID'] == '1': sys.exit(3)\n"
+        "time.sleep(60)"
+    )
     t = time.time()
-    out = subprocess.run([sys.executable, "-m", "zerojax.cli", "launch", "-n", "2", "--",
-                          sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zerojax.cli",
+            "launch",
+            "-n",
+            "2",
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 3 and "process 1 exited with code 3" in out.stderr
-    assert time.time() - t < 30                  # the sleeping process was stopped
+    assert time.time() - t < 30  # the sleeping process was stopped
 
 
 @pytest.mark.slow
@@ -112,8 +183,13 @@ def test_zeropp_converges_like_zero3(tmp_path):
     """ZeRO++ (qwZ + hpZ + qgZ int4) ends 300 steps within 2% of plain ZeRO-3's train loss."""
     final = {}
     for config in ("zero3_bf16", "zero3_zeropp"):
-        _run("--config", ROOT / "configs" / f"{config}.json", "--log-dir", tmp_path / config,
-             timeout=1800)
+        _run(
+            "--config",
+            ROOT / "configs" / f"{config}.json",
+            "--log-dir",
+            tmp_path / config,
+            timeout=1800,
+        )
         losses = list(_losses(tmp_path / config).values())
         final[config] = sum(losses[-10:]) / 10
     assert final["zero3_zeropp"] == pytest.approx(final["zero3_bf16"], rel=0.02), final

@@ -1,5 +1,6 @@
 """Interop: weights exported from a zerojax checkpoint load into a plain Flax model on one
 device; a Hugging Face style safetensors file initialises a zerojax state shard by shard."""
+
 import json
 import struct
 
@@ -8,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import CFG, MODEL, batches, make_init, train_step
 from flax import serialization
 from flax.training import train_state
 
 import zerojax as zj
 import zerojax.interop as interop
-from common import CFG, MODEL, batches, make_init, train_step
 
 TX = lambda: optax.adamw(1e-3, eps=1e-5)
 DATA = batches(4)
@@ -34,8 +35,11 @@ def write_safetensors(path, tensors: dict):
     header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
     for name, array in tensors.items():
         raw = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": {"float32": "F32", "bfloat16": "BF16"}[str(array.dtype)],
-                        "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
+        header[name] = {
+            "dtype": {"float32": "F32", "bfloat16": "BF16"}[str(array.dtype)],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
         offset += len(raw)
         blobs.append(raw)
     text = json.dumps(header).encode()
@@ -62,7 +66,7 @@ def test_hf_file_loads_shard_by_shard_and_trains_like_one_device(hf_file, monkey
     reads = {}
     original = interop._tensor
 
-    class Logged:                             # records the size of every slice read
+    class Logged:  # records the size of every slice read
         def __init__(self, data, name):
             self.data, self.name, self.shape = data, name, data.shape
 
@@ -75,16 +79,18 @@ def test_hf_file_loads_shard_by_shard_and_trains_like_one_device(hf_file, monkey
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     state = zero.init(make_init(TX()), jax.random.key(0))
     state = zero.load_safetensors(state, file, names=hf_name, transpose=stored_transposed)
-    for got, ref in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want)):
+    for got, ref in zip(
+        jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     # never whole: the (64, 256) MLP kernel was read as eight (64, 32) slices
     up = reads[hf_name("block_0/Dense_0/kernel")]
     assert len(up) == 8 and max(up) == 64 * 256 // 8
-    assert state.params["block_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape \
-        == (64, 32)
+    assert state.params["block_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape == (64, 32)
 
-    single = jax.device_put(train_state.TrainState.create(apply_fn=MODEL.apply, params=want,
-                                                          tx=TX()), jax.devices()[0])
+    single = jax.device_put(
+        train_state.TrainState.create(apply_fn=MODEL.apply, params=want, tx=TX()), jax.devices()[0]
+    )
     ref_losses, losses, step = [], [], zero(train_step)
     for batch in DATA:
         single, m = jax.jit(train_step)(single, batch)
@@ -102,8 +108,9 @@ def test_bf16_state_loads_its_fp32_master(hf_file):
     kernel = want["head"]["kernel"]
     np.testing.assert_array_equal(np.asarray(state.opt_state.master["head"]["kernel"]), kernel)
     assert state.params["head"]["kernel"].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(state.params["head"]["kernel"]),
-                                  np.asarray(kernel.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(
+        np.asarray(state.params["head"]["kernel"]), np.asarray(kernel.astype(jnp.bfloat16))
+    )
 
 
 def test_load_errors_name_the_tensor(hf_file, tmp_path):
@@ -113,7 +120,7 @@ def test_load_errors_name_the_tensor(hf_file, tmp_path):
     with pytest.raises(zj.ZeroError, match="no tensor named Embed_0.embedding.*names="):
         zero.load_safetensors(state, file)
     with pytest.raises(zj.ZeroError, match=r"needs \(64, 256\)"):
-        zero.load_safetensors(state, file, names=hf_name)        # forgot transpose
+        zero.load_safetensors(state, file, names=hf_name)  # forgot transpose
     (tmp_path / "bad.safetensors").write_bytes(b"\x01")
     with pytest.raises(zj.ZeroError, match="not a safetensors file"):
         zero.load_safetensors(state, str(tmp_path / "bad.safetensors"))
@@ -121,6 +128,7 @@ def test_load_errors_name_the_tensor(hf_file, tmp_path):
 
 def test_exported_weights_load_into_a_plain_flax_model_on_one_device(tmp_path):
     from zerojax.export import export
+
     zero = zj.zero_shard(stage=3, precision="bf16")
     state = zero.init(make_init(TX()), jax.random.key(0))
     step = zero(train_step)
@@ -134,15 +142,21 @@ def test_exported_weights_load_into_a_plain_flax_model_on_one_device(tmp_path):
     params = serialization.from_bytes(target, (tmp_path / "w.msgpack").read_bytes())
     params = jax.device_put(params, jax.devices()[0])
     logits = MODEL.apply({"params": params}, DATA[0]["inputs"])
-    master = jax.device_get(state.opt_state.master)           # the fp32 truth zerojax trained
-    np.testing.assert_allclose(logits, MODEL.apply({"params": master}, DATA[0]["inputs"]),
-                               rtol=1e-6, atol=1e-6)
-    for got, ref in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(master)):
+    master = jax.device_get(state.opt_state.master)  # the fp32 truth zerojax trained
+    np.testing.assert_allclose(
+        logits, MODEL.apply({"params": master}, DATA[0]["inputs"]), rtol=1e-6, atol=1e-6
+    )
+    for got, ref in zip(
+        jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(master), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), ref)
     # ...and the safetensors export loads back into a zerojax state on another layout
     export(str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"), dtype="fp32")
     other = zj.zero_shard(stage=1, mesh=zj.make_mesh(jax.devices()[:2]))
-    again = other.load_safetensors(other.init(make_init(TX()), jax.random.key(3)),
-                                   str(tmp_path / "w.safetensors"))
-    for got, ref in zip(jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(master)):
+    again = other.load_safetensors(
+        other.init(make_init(TX()), jax.random.key(3)), str(tmp_path / "w.safetensors")
+    )
+    for got, ref in zip(
+        jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(master), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(got), ref)

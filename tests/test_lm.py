@@ -1,21 +1,21 @@
 """The example LM (RMSNorm, rotary, SwiGLU; scanned or unrolled; remat): its presets, its
 scanned and unrolled forms agreeing, and training under zerojax like on one device."""
+
 import jax
 import numpy as np
 import optax
 import pytest
+from common import assert_trees_close
 
 import zerojax as zj
 from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS, param_count
-from common import assert_trees_close
 
-CFG = LM_PRESETS["tiny"].replace(vocab=203, d_model=64, n_heads=4, d_ff=176, n_layers=2,
-                                 seq_len=16)
+CFG = LM_PRESETS["tiny"].replace(vocab=203, d_model=64, n_heads=4, d_ff=176, n_layers=2, seq_len=16)
 
 
 def test_presets_have_the_sizes_people_know():
-    assert param_count(LM_PRESETS["7b"]) == 6_738_415_616          # Llama-2-7B, exactly
+    assert param_count(LM_PRESETS["7b"]) == 6_738_415_616  # Llama-2-7B, exactly
     assert 0.1e9 < param_count(LM_PRESETS["125m"]) < 0.15e9
     assert 1.2e9 < param_count(LM_PRESETS["1.3b"]) < 1.4e9
 
@@ -25,19 +25,30 @@ def test_scanned_unrolled_and_remat_compute_the_same_function():
     scanned = LM(CFG.replace(scan_layers=True))
     params = scanned.init(jax.random.key(0), tokens)["params"]
     unrolled_params = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(CFG.n_layers):   # layer i of the unrolled stack = slice i of the scanned one
-        unrolled_params[f"layer_{i}"] = jax.tree_util.tree_map(lambda x: x[i], params["layers"])
+    for i in range(CFG.n_layers):  # layer i of the unrolled stack = slice i of the scanned one
+        layer = jax.tree_util.tree_map(lambda x, i=i: x[i], params["layers"])
+        unrolled_params[f"layer_{i}"] = layer
     want = scanned.apply({"params": params}, tokens)
-    for cfg, p in ((CFG.replace(scan_layers=False), unrolled_params),
-                   (CFG.replace(scan_layers=True, remat=True), params),
-                   (CFG.replace(scan_layers=False, remat=True), unrolled_params)):
-        np.testing.assert_allclose(LM(cfg).apply({"params": p}, tokens), want,
-                                   rtol=1e-5, atol=1e-5)
+    for cfg, p in (
+        (CFG.replace(scan_layers=False), unrolled_params),
+        (CFG.replace(scan_layers=True, remat=True), params),
+        (CFG.replace(scan_layers=False, remat=True), unrolled_params),
+    ):
+        np.testing.assert_allclose(LM(cfg).apply({"params": p}, tokens), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("stage,scan,remat,prefetch", [
-    (0, True, False, 1), (2, False, True, 1), (3, True, True, 1), (3, True, False, 1),
-    (3, False, False, 1), (3, False, True, 1), (3, False, False, 0)])
+@pytest.mark.parametrize(
+    "stage,scan,remat,prefetch",
+    [
+        (0, True, False, 1),
+        (2, False, True, 1),
+        (3, True, True, 1),
+        (3, True, False, 1),
+        (3, False, False, 1),
+        (3, False, True, 1),
+        (3, False, False, 0),
+    ],
+)
 def test_lm_trains_like_one_device(stage, scan, remat, prefetch):
     cfg = CFG.replace(scan_layers=scan, remat=remat)
     rng = np.random.default_rng(0)

@@ -1,5 +1,6 @@
 """2 processes x 4 devices (jax.distributed, gloo on 127.0.0.1) train exactly like
 1 process x 8 devices, every stage, each process feeding only its slice of the batch."""
+
 import os
 import subprocess
 import sys
@@ -8,13 +9,12 @@ import jax
 import numpy as np
 import optax
 import pytest
+from common import assert_trees_close, batches, train_zero, zeropp_setup
 
 import zerojax as zj
 from zerojax.launch import free_port
-from common import assert_trees_close, batches, train_zero, zeropp_setup
 
 STEPS = 4
-
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,16 @@ def two_process_results(tmp_path_factory):
     port = free_port()
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), out, str(STEPS)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), str(port), out, str(STEPS)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:
@@ -34,7 +41,7 @@ def two_process_results(tmp_path_factory):
             for q in procs:
                 q.kill()
             pytest.fail("multi-process run did not finish in 600 s")
-    for p, log in zip(procs, logs):
+    for p, log in zip(procs, logs, strict=True):
         assert p.returncode == 0, log[-3000:]
     return dict(np.load(out))
 
@@ -43,8 +50,7 @@ def two_process_results(tmp_path_factory):
 def test_two_processes_match_one_process(two_process_results, stage):
     zero = zj.zero_shard(stage=stage, persistence_threshold=0)
     state, losses = train_zero(zero, optax.sgd(0.05, momentum=0.9), batches(STEPS))
-    np.testing.assert_allclose(two_process_results[f"losses_{stage}"], losses, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(two_process_results[f"losses_{stage}"], losses, rtol=1e-5, atol=1e-6)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state.params)[0]:
         got = two_process_results[f"param_{stage}_{jax.tree_util.keystr(path)}"]
         assert_trees_close({jax.tree_util.keystr(path): got}, {jax.tree_util.keystr(path): leaf})

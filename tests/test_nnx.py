@@ -1,18 +1,18 @@
 """Flax NNX models and optimizers, and plain-pytree states, under every stage: the same numbers
 as plain single-device training (float32), with the state really sharded."""
+
 import dataclasses
 
 import jax
 import numpy as np
 import optax
 import pytest
+from common import assert_trees_close, batches, make_init, train_single_device
 from flax import nnx, struct
 from jax.sharding import PartitionSpec as P
+from nnx_model import make_objects, nnx_train_step, train_single_device_nnx
 
 import zerojax as zj
-from common import assert_trees_close, batches
-from common import make_init, train_single_device
-from nnx_model import make_objects, nnx_train_step, train_single_device_nnx
 
 DATA = batches(6)
 ADAMW = lambda: optax.adamw(1e-3, eps=1e-5, weight_decay=0.01)
@@ -38,10 +38,9 @@ def test_nnx_stage_matches_single_device(stage):
     step = zero(nnx_train_step)
     losses = [float(step(model, optimizer, batch)["loss"]) for batch in DATA]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    assert_trees_close(arrays(nnx.state(model, nnx.Param)),
-                       arrays(nnx.state(ref_model, nnx.Param)))
+    assert_trees_close(arrays(nnx.state(model, nnx.Param)), arrays(nnx.state(ref_model, nnx.Param)))
     assert_trees_close(arrays(nnx.state(optimizer)), arrays(nnx.state(ref_opt)))
-    kernel = model.blocks[0].up.kernel[...]                                  # (64, 256)
+    kernel = model.blocks[0].up.kernel[...]  # (64, 256)
     assert kernel.sharding.spec == (P(None, "data") if stage == 3 else P())
     mu = optimizer.opt_state[0].mu["blocks"][0]["up"]["kernel"][...]
     assert mu.sharding.spec == (P(None, "data") if stage >= 1 else P())
@@ -53,33 +52,41 @@ def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
     class MLP(nnx.Module):
         def __init__(self, rngs):
             init = nnx.initializers.lecun_normal()
-            self.up = nnx.Linear(32, 128, rngs=rngs,
-                                 kernel_init=nnx.with_partitioning(init, (None, "mlp")))
-            self.down = nnx.Linear(128, 32, rngs=rngs,
-                                   kernel_init=nnx.with_partitioning(init, ("model", None)))
+            self.up = nnx.Linear(
+                32, 128, rngs=rngs, kernel_init=nnx.with_partitioning(init, (None, "mlp"))
+            )
+            self.down = nnx.Linear(
+                128, 32, rngs=rngs, kernel_init=nnx.with_partitioning(init, ("model", None))
+            )
 
         def __call__(self, x):
             return self.down(nnx.relu(self.up(x)))
 
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    zero = zj.zero_shard(stage=3, mesh=mesh, persistence_threshold=0,
-                         logical_rules=(("mlp", "model"),))
+    zero = zj.zero_shard(
+        stage=3, mesh=mesh, persistence_threshold=0, logical_rules=(("mlp", "model"),)
+    )
 
     def make():
         model = MLP(nnx.Rngs(0))
         return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
     model, optimizer = zero.init(make)
-    assert model.up.kernel[...].sharding.spec == P("data", "model")     # (32, 128)
-    assert model.down.kernel[...].sharding.spec == P("model", "data")   # (128, 32)
+    assert model.up.kernel[...].sharding.spec == P("data", "model")  # (32, 128)
+    assert model.down.kernel[...].sharding.spec == P("model", "data")  # (128, 32)
 
     def step(model, optimizer, batch):
         loss, grads = nnx.value_and_grad(lambda m: ((m(batch["x"]) - batch["y"]) ** 2).mean())(
-            model)
+            model
+        )
         optimizer.update(model, grads)
         return loss
+
     rng = np.random.default_rng(0)
-    batch = {"x": rng.normal(size=(8, 32)).astype(np.float32),
-             "y": rng.normal(size=(8, 32)).astype(np.float32)}
+    batch = {
+        "x": rng.normal(size=(8, 32)).astype(np.float32),
+        "y": rng.normal(size=(8, 32)).astype(np.float32),
+    }
     with nnx.use_eager_sharding(False), jax.default_device(jax.devices()[0]):
         ref_model, ref_opt = make()
         ref = [float(nnx.jit(step)(ref_model, ref_opt, batch)) for _ in range(3)]
@@ -118,11 +125,13 @@ def plain_init(key):
 def plain_step(state, batch):
     """A step on a `(params, opt_state)` pair, no TrainState."""
     from common import MODEL
+
     params, opt_state = state
 
     def loss_fn(params):
         logits = MODEL.apply({"params": params}, batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = TX.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
@@ -137,8 +146,9 @@ class MyState:
 
 def dataclass_step(state, batch):
     (params, opt_state), metrics = plain_step((state.params, state.opt_state), batch)
-    return dataclasses.replace(state, params=params, opt_state=opt_state,
-                               steps=state.steps + 1), metrics
+    return dataclasses.replace(
+        state, params=params, opt_state=opt_state, steps=state.steps + 1
+    ), metrics
 
 
 @pytest.mark.filterwarnings("ignore:zerojax. .* does not call state.apply_fn")
@@ -174,15 +184,18 @@ def test_nnx_checkpoint_restores_into_another_layout(tmp_path):
     other = zj.zero_shard(stage=1, mesh=zj.make_mesh(jax.devices()[:2]))
     with zj.CheckpointManager(tmp_path / "ckpt", other) as mgr:
         (model2, optimizer2), _ = mgr.restore(nnx.eval_shape(lambda: make_objects(ADAMW())))
-    assert model2.blocks[0].up.kernel[...].sharding.spec == P()             # stage 1: whole
-    assert optimizer2.opt_state[0].mu["blocks"][0]["up"]["kernel"][...].sharding.spec \
-        == P(None, "data")
-    for got, want in zip(arrays(nnx.state((model2, optimizer2))),
-                         arrays(nnx.state((model, optimizer)))):
+    assert model2.blocks[0].up.kernel[...].sharding.spec == P()  # stage 1: whole
+    assert optimizer2.opt_state[0].mu["blocks"][0]["up"]["kernel"][...].sharding.spec == P(
+        None, "data"
+    )
+    for got, want in zip(
+        arrays(nnx.state((model2, optimizer2))), arrays(nnx.state((model, optimizer))), strict=True
+    ):
         np.testing.assert_array_equal(got, want)
     loss = step(model, optimizer, DATA[2])["loss"]
-    np.testing.assert_allclose(other(nnx_train_step)(model2, optimizer2, DATA[2])["loss"],
-                               loss, rtol=1e-5)
+    np.testing.assert_allclose(
+        other(nnx_train_step)(model2, optimizer2, DATA[2])["loss"], loss, rtol=1e-5
+    )
 
 
 @pytest.mark.filterwarnings("ignore:zerojax. .* does not call state.apply_fn")
@@ -193,9 +206,10 @@ def test_tuple_state_checkpoint_roundtrip(tmp_path):
     with zj.CheckpointManager(tmp_path / "ckpt", zero, async_save=False) as mgr:
         mgr.save(1, state)
         restored, _ = mgr.restore(jax.eval_shape(plain_init, jax.random.key(0)))
-    for got, want in zip(arrays(restored), arrays(state)):
+    for got, want in zip(arrays(restored), arrays(state), strict=True):
         np.testing.assert_array_equal(got, want)
     from zerojax.export import info
+
     assert any(leaf["path"].startswith("params/") for leaf in info(tmp_path / "ckpt")["leaves"])
 
 

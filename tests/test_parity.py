@@ -1,12 +1,21 @@
 """Every stage matches plain single-device optax training (float32, 10 steps)."""
+
 import jax
 import numpy as np
 import optax
 import pytest
+from common import (
+    PARITY_RTOL,
+    assert_trees_close,
+    batches,
+    make_init,
+    relative_l2,
+    train_single_device,
+    train_step,
+    train_zero,
+)
 
 import zerojax as zj
-from common import (PARITY_RTOL, assert_trees_close, batches, make_init, relative_l2,
-                    train_single_device, train_step, train_zero)
 
 # eps=1e-5: keeps float32 reduction-order noise in gradients that are ~0 (e.g. attention
 # projections early in training) from being amplified into lr-sized Adam steps; with eps=1e-8
@@ -30,8 +39,9 @@ def reference(opt):
 @pytest.mark.parametrize("stage,devices", [(0, 8), (1, 8), (2, 8), (3, 8), (2, 4), (3, 2)])
 def test_stage_matches_single_device_adamw(stage, devices):
     ref_state, ref_losses = reference("adamw")
-    zero = zj.zero_shard(stage=stage, mesh=zj.make_mesh(jax.devices()[:devices]),
-                         persistence_threshold=0)
+    zero = zj.zero_shard(
+        stage=stage, mesh=zj.make_mesh(jax.devices()[:devices]), persistence_threshold=0
+    )
     state, losses = train_zero(zero, OPTIMIZERS["adamw"](), DATA)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(state.params, ref_state.params)
@@ -55,7 +65,7 @@ def test_the_state_really_is_sharded_and_the_hook_is_used_when_asked(explicit):
     step = zero(train_step)
     state, _ = step(state, DATA[0])
     assert step.used_explicit_collectives == explicit
-    kernel = state.params["block_0"]["Dense_0"]["kernel"]          # (64, 256)
+    kernel = state.params["block_0"]["Dense_0"]["kernel"]  # (64, 256)
     assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "data")
     assert kernel.addressable_shards[0].data.shape == (64, 256 // 8)
 
@@ -63,21 +73,28 @@ def test_the_state_really_is_sharded_and_the_hook_is_used_when_asked(explicit):
 def _broken_reduction(original, how):
     """`comm.hierarchy.reduce_gradient` with a deliberate bug: device 0's gradient dropped, or
     the per-device gradients summed N times too large (as if each device took its own mean)."""
+
     def reduce(g, dim, comm, *args, **kwargs):
         if how == "drop_device_0":
             g = g * (jax.lax.axis_index(comm.data_axis) != 0).astype(g.dtype)
         else:
             g = g * comm.data_size
         return original(g, dim, comm, *args, **kwargs)
+
     return reduce
 
 
-@pytest.mark.parametrize("stage,how,opt", [(3, "drop_device_0", "adamw"),
-                                           (2, "no_mean", "sgd_momentum")])
+@pytest.mark.parametrize(
+    "stage,how,opt", [(3, "drop_device_0", "adamw"), (2, "no_mean", "sgd_momentum")]
+)
 def test_parity_checks_fail_on_a_broken_reduction(monkeypatch, stage, how, opt):
     """The tolerances above are loose enough for any CPU's rounding, not so loose that a wrong
     reduction passes: with the gradient reduction broken, the same comparisons fail."""
-    import zerojax.comm.gather, zerojax.comm.hierarchy, zerojax.flax.gather, zerojax.step
+    import zerojax.comm.gather
+    import zerojax.comm.hierarchy
+    import zerojax.flax.gather
+    import zerojax.step
+
     broken = _broken_reduction(zerojax.comm.hierarchy.reduce_gradient, how)
     for module in (zerojax.comm.gather, zerojax.flax.gather, zerojax.step):
         monkeypatch.setattr(module, "reduce_gradient", broken)
@@ -88,7 +105,13 @@ def test_parity_checks_fail_on_a_broken_reduction(monkeypatch, stage, how, opt):
         assert_trees_close(state.params, ref_state.params)
     with pytest.raises(AssertionError):
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
-    worst = max(relative_l2(a, b) for a, b in zip(jax.tree_util.tree_leaves(state.params),
-                                                  jax.tree_util.tree_leaves(ref_state.params)))
+    worst = max(
+        relative_l2(a, b)
+        for a, b in zip(
+            jax.tree_util.tree_leaves(state.params),
+            jax.tree_util.tree_leaves(ref_state.params),
+            strict=True,
+        )
+    )
     print(f"{how} at stage {stage}: worst per-leaf relative L2 {worst:.3g}")
-    assert worst > 100 * PARITY_RTOL, worst          # far outside the tolerance, not at its edge
+    assert worst > 100 * PARITY_RTOL, worst  # far outside the tolerance, not at its edge

@@ -1,5 +1,6 @@
 """Mixed precision with fp32 master weights, fp16 loss scaling, gradient accumulation and
 clipping, each against plain single-device optax."""
+
 import logging
 
 import jax
@@ -7,14 +8,20 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import (
+    assert_trees_close,
+    batches,
+    make_init,
+    train_single_device,
+    train_step,
+    train_zero,
+)
 
 import zerojax as zj
 from zerojax.models import GPT, PRESETS
 from zerojax.models.data import random_windows, stdlib_tokens
-from common import (assert_trees_close, batches, make_init, train_single_device, train_step,
-                    train_zero)
 
-ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)   # eps: see test_parity.py
+ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)  # eps: see test_parity.py
 
 
 _REFERENCES = {}
@@ -29,8 +36,10 @@ def reference(name, make_tx, steps, batch_size):
 
 
 def _tree_equal(a, b):
-    return all(bool(jnp.array_equal(x, y)) for x, y in
-               zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+    return all(
+        bool(jnp.array_equal(x, y))
+        for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True)
+    )
 
 
 # ---- bf16 -------------------------------------------------------------------------------------
@@ -38,10 +47,15 @@ def _tree_equal(a, b):
 def test_bf16_follows_fp32_on_the_demo_model(steps):
     cfg = PRESETS["demo"]
     model = GPT(cfg)
-    data = [{"inputs": w[:, :-1], "targets": w[:, 1:]}
-            for w in random_windows(stdlib_tokens(), steps + 1, 16, cfg.seq_len)]
-    exact = jax.jit(lambda p, m: jax.tree_util.tree_map(
-        lambda x, y: jnp.array_equal(x, y.astype(x.dtype)), p, m))
+    data = [
+        {"inputs": w[:, :-1], "targets": w[:, 1:]}
+        for w in random_windows(stdlib_tokens(), steps + 1, 16, cfg.seq_len)
+    ]
+    exact = jax.jit(
+        lambda p, m: jax.tree_util.tree_map(
+            lambda x, y: jnp.array_equal(x, y.astype(x.dtype)), p, m
+        )
+    )
     curves = {}
     for precision in ("fp32", "bf16"):
         zero = zj.zero_shard(stage=3, precision=precision)
@@ -51,22 +65,25 @@ def test_bf16_follows_fp32_on_the_demo_model(steps):
         for batch in data:
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))
-            if precision == "bf16":   # the 16-bit copy is exactly master.astype(bf16), always
+            if precision == "bf16":  # the 16-bit copy is exactly master.astype(bf16), always
                 assert all(jax.tree_util.tree_leaves(exact(state.params, state.opt_state.master)))
         curves[precision] = losses
         if precision == "bf16":
-            assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {jnp.dtype(jnp.bfloat16)}
+            assert {x.dtype for x in jax.tree_util.tree_leaves(state.params)} == {
+                jnp.dtype(jnp.bfloat16)
+            }
             assert {x.dtype for x in jax.tree_util.tree_leaves(state.opt_state.master)} == {
-                jnp.dtype(jnp.float32)}
+                jnp.dtype(jnp.float32)
+            }
     for i in range(0, steps + 1, 20):
         assert abs(curves["bf16"][i] - curves["fp32"][i]) <= 0.02 * curves["fp32"][i], i
     assert curves["bf16"][steps] < (0.7 if steps >= 200 else 0.8) * curves["bf16"][0]  # learned
 
 
-@pytest.mark.parametrize("stage,reduce_kind", [(1, "all-reduce"), (2, "reduce-scatter"),
-                                               (3, "reduce-scatter")])
-def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(stage,
-                                                                              reduce_kind):
+@pytest.mark.parametrize(
+    "stage,reduce_kind", [(1, "all-reduce"), (2, "reduce-scatter"), (3, "reduce-scatter")]
+)
+def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(stage, reduce_kind):
     # stage 3 gathers weights for compute, stages 1-2 gather the updated weights: both in bf16
     for reduce_dtype, sent_dtype in (("fp32", "f32"), ("bf16", "bf16")):
         zero = zj.zero_shard(stage=stage, precision="bf16", grad_reduce_dtype=reduce_dtype)
@@ -79,10 +96,12 @@ def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(s
 # ---- fp16 loss scaling --------------------------------------------------------------------------
 def poisonable_step(state, batch):
     """The usual step; a batch with poison = inf makes every gradient non-finite."""
+
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, batch["inputs"])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
         return loss * batch["poison"].mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
@@ -94,8 +113,11 @@ def _fp16(data, **options):
 
 
 def _no_nan(state):
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(state)
-               if jnp.issubdtype(x.dtype, jnp.floating))
+    return all(
+        bool(jnp.all(jnp.isfinite(x)))
+        for x in jax.tree_util.tree_leaves(state)
+        if jnp.issubdtype(x.dtype, jnp.floating)
+    )
 
 
 def test_fp16_huge_initial_scale_skips_then_trains():
@@ -109,10 +131,10 @@ def test_fp16_huge_initial_scale_skips_then_trains():
         assert _no_nan(state)
     assert skipped[0] and skipped[1] and not skipped[-1]
     first_good = skipped.index(False)
-    assert scales[first_good] < 2.0 ** 32                      # the scale fell ...
-    assert int(state.step) == len(data) - first_good           # ... skipped steps did not count
+    assert scales[first_good] < 2.0**32  # the scale fell ...
+    assert int(state.step) == len(data) - first_good  # ... skipped steps did not count
     assert int(m["skipped_steps"]) == first_good
-    assert float(m["loss"]) < float(np.mean([1.0]) * 6)        # and training proceeded
+    assert float(m["loss"]) < float(np.mean([1.0]) * 6)  # and training proceeded
 
 
 def test_injected_inf_is_skipped_with_hysteresis():
@@ -124,9 +146,9 @@ def test_injected_inf_is_skipped_with_hysteresis():
         state, m = step(state, {**batch, **ok})
     scale, step_count = float(m["loss_scale"]), int(state.step)
     before = jax.tree_util.tree_map(np.array, (state.params, state.opt_state.inner))
-    state, m = step(state, {**data[3], **bad})      # 1st overflow: skipped, hysteresis absorbs it
+    state, m = step(state, {**data[3], **bad})  # 1st overflow: skipped, hysteresis absorbs it
     assert bool(m["step_skipped"]) and float(m["loss_scale"]) == scale
-    state, m = step(state, {**data[4], **bad})      # 2nd overflow: skipped, the scale halves
+    state, m = step(state, {**data[4], **bad})  # 2nd overflow: skipped, the scale halves
     assert bool(m["step_skipped"]) and float(m["loss_scale"]) == scale / 2
     assert int(state.step) == step_count and _no_nan(state)
     assert _tree_equal((state.params, state.opt_state.inner), before)
@@ -153,11 +175,10 @@ def test_static_loss_scale():
 # ---- accumulation -------------------------------------------------------------------------------
 def _micro(batch, k):
     b = len(batch["inputs"]) // k
-    return [jax.tree_util.tree_map(lambda x: x[i * b:(i + 1) * b], batch) for i in range(k)]
+    return [jax.tree_util.tree_map(lambda x, i=i: x[i * b : (i + 1) * b], batch) for i in range(k)]
 
 
-@pytest.mark.parametrize("stage,mode", [(0, "local"), (2, "local"), (2, "reduced"),
-                                        (3, "reduced")])
+@pytest.mark.parametrize("stage,mode", [(0, "local"), (2, "local"), (2, "reduced"), (3, "reduced")])
 def test_k_micro_batches_equal_one_big_batch(stage, mode):
     data = batches(3, batch_size=32)
     ref_state, _ = reference("adamw", ADAMW, 3, 32)
@@ -172,7 +193,7 @@ def test_k_micro_batches_equal_one_big_batch(stage, mode):
     assert_trees_close(state.params, ref_state.params)
 
 
-@pytest.mark.parametrize("stage", [0, 2])      # all-reduce, reduce-scatter (stage 1 = 0's)
+@pytest.mark.parametrize("stage", [0, 2])  # all-reduce, reduce-scatter (stage 1 = 0's)
 def test_local_accumulation_communicates_once_per_optimizer_step(stage):
     sent = {}
     for k in (1, 4):
@@ -196,11 +217,12 @@ def test_reduced_accumulation_reduces_every_micro_batch():
 
 
 # ---- clipping and any optimizer -----------------------------------------------------------------
-@pytest.mark.parametrize("stage", [1, 3])      # the norm of a whole, then of a split gradient
+@pytest.mark.parametrize("stage", [1, 3])  # the norm of a whole, then of a split gradient
 def test_clipping_equals_optax_clip_by_global_norm(stage):
     data = batches(4)
     ref_state, ref_losses = reference(
-        "clip", lambda: optax.chain(optax.clip_by_global_norm(0.05), ADAMW()), 4, 16)
+        "clip", lambda: optax.chain(optax.clip_by_global_norm(0.05), ADAMW()), 4, 16
+    )
     zero = zj.zero_shard(stage=stage, gradient_clipping=0.05)
     state, losses = train_zero(zero, ADAMW(), data)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
@@ -215,16 +237,23 @@ OPTIMIZERS = {
     "multi_transform": lambda: optax.multi_transform(
         {"adamw": ADAMW(), "lion": optax.lion(1e-4)},
         lambda p: jax.tree_util.tree_map_with_path(
-            lambda path, _: "lion" if "block" in jax.tree_util.keystr(path) else "adamw", p)),
+            lambda path, _: "lion" if "block" in jax.tree_util.keystr(path) else "adamw", p
+        ),
+    ),
     "inject_hyperparams_schedule": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=optax.linear_schedule(1e-3, 1e-4, 4), eps=1e-5),
+        learning_rate=optax.linear_schedule(1e-3, 1e-4, 4), eps=1e-5
+    ),
 }
 
 
 # every optimizer at stage 3 (parameters, gradients and state split), and the two other
 # layouts of the managed update (stage 1: whole gradients; stage 2: split) with two of them
 ANY_OPTIMIZER = [(name, 3) for name in OPTIMIZERS] + [
-    ("adamw", 1), ("multi_transform", 1), ("adafactor", 2), ("inject_hyperparams_schedule", 2)]
+    ("adamw", 1),
+    ("multi_transform", 1),
+    ("adafactor", 2),
+    ("inject_hyperparams_schedule", 2),
+]
 
 
 @pytest.mark.parametrize("name,stage", ANY_OPTIMIZER)
@@ -249,9 +278,14 @@ class _Compiles(logging.Handler):
         self.count += record.getMessage().startswith("Compiling jit(_traced)")
 
 
-@pytest.mark.parametrize("options", [{"precision": "bf16"}, {"gradient_accumulation_steps": 2},
-                                     {"precision": "fp16", "gradient_accumulation_steps": 2,
-                                      "accumulate": "reduced"}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"precision": "bf16"},
+        {"gradient_accumulation_steps": 2},
+        {"precision": "fp16", "gradient_accumulation_steps": 2, "accumulate": "reduced"},
+    ],
+)
 def test_each_step_variant_compiles_once(options):
     # the state a step returns must have the avals (dtype, weak type) of the one it received
     zero = zj.zero_shard(stage=1, **options)

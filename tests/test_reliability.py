@@ -1,5 +1,6 @@
 """Faults: a dead peer or an unreachable coordinator never hangs a run; NaN/inf gradients are
 caught by option; bad input fails at once; runs are deterministic."""
+
 import os
 import signal
 import subprocess
@@ -11,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import batches, make_init, train_step, train_zero
 
 import zerojax as zj
 from zerojax.launch import free_port
-from common import batches, make_init, train_step, train_zero
 
 PEER = """
 import os, sys, time
@@ -32,19 +33,32 @@ while True:
 """
 
 
-
 def _env(rank, port, **extra):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return dict(env, ZEROJAX_COORDINATOR=f"127.0.0.1:{port}", ZEROJAX_NUM_PROCESSES="2",
-                ZEROJAX_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-                XLA_FLAGS="--xla_force_host_platform_device_count=2", **extra)
+    return dict(
+        env,
+        ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
+        ZEROJAX_NUM_PROCESSES="2",
+        ZEROJAX_PROCESS_ID=str(rank),
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        **extra,
+    )
 
 
 def test_a_dead_peer_ends_the_survivor_with_a_message(tmp_path):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", PEER], env=_env(r, port),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", PEER],
+            env=_env(r, port),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         assert p.stdout.readline().startswith("ready")
     procs[1].send_signal(signal.SIGKILL)
@@ -57,18 +71,25 @@ def test_a_dead_peer_ends_the_survivor_with_a_message(tmp_path):
 
 def test_an_unreachable_coordinator_is_a_clear_error():
     t = time.time()
-    out = subprocess.run([sys.executable, "-c", PEER], capture_output=True, text=True,
-                         env=_env(1, free_port(), ZEROJAX_INIT_TIMEOUT="3"), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PEER],
+        capture_output=True,
+        text=True,
+        env=_env(1, free_port(), ZEROJAX_INIT_TIMEOUT="3"),
+        timeout=120,
+    )
     assert out.returncode != 0 and time.time() - t < 30
     assert "could not reach the coordinator 127.0.0.1:" in out.stderr
 
 
 def scaled_step(state, batch):
     """The plain step with a per-example loss weight: a NaN weight gives NaN gradients."""
+
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, batch["inputs"])
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
         return (ce.mean(-1) * batch["weight"]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}
 
@@ -81,10 +102,13 @@ def test_non_finite_gradients_skip_or_stop(mode):
     data[1]["weight"][:] = np.nan
     state, _ = step(state, data[0])
     before = jax.device_get(state)
-    state, metrics = step(state, data[1])                 # NaN gradients: not applied
+    state, metrics = step(state, data[1])  # NaN gradients: not applied
     assert bool(metrics["step_skipped"]) and int(state.step) == 1
-    for a, b in zip(jax.tree_util.tree_leaves(jax.device_get(state.params)),
-                    jax.tree_util.tree_leaves(before.params)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(jax.device_get(state.params)),
+        jax.tree_util.tree_leaves(before.params),
+        strict=True,
+    ):
         np.testing.assert_array_equal(a, b)
     if mode == "skip":
         with pytest.warns(UserWarning, match="non-finite gradients .* at step 1: the update"):
@@ -111,18 +135,19 @@ def test_runs_are_deterministic_and_stages_agree():
     tx, data = optax.sgd(0.05, momentum=0.9), batches(5)
     losses = {s: train_zero(zj.zero_shard(stage=s), tx, data)[1] for s in (0, 2, 3)}
     again = train_zero(zj.zero_shard(stage=3), tx, data)[1]
-    assert again == losses[3]                              # same seed, config, data: bitwise
-    assert len({run[0] for run in losses.values()}) == 1   # first step: bitwise across stages
+    assert again == losses[3]  # same seed, config, data: bitwise
+    assert len({run[0] for run in losses.values()}) == 1  # first step: bitwise across stages
     for run in losses.values():
         np.testing.assert_allclose(run, losses[0], rtol=1e-6)
 
 
 def test_leaves_that_divide_nothing_stay_whole_and_are_named():
     """A GPT-2 vocabulary (50257 = 29 x 1733) by 12 and a 3-element bias, on 8 devices."""
+
     def init():
-        params = {"embed": jnp.ones((50257, 12)), "bias": jnp.zeros((3,)),
-                  "w": jnp.ones((64, 64))}
+        params = {"embed": jnp.ones((50257, 12)), "bias": jnp.zeros((3,)), "w": jnp.ones((64, 64))}
         return {"params": params, "opt_state": optax.adam(1e-3).init(params)}
+
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     with pytest.warns(UserWarning, match=r"params/embed \(50257, 12\)"):
         state = zero.init(init)

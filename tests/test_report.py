@@ -5,11 +5,11 @@ N = 8 devices, fp32 params and Adam: 4 bytes param + 4 grad + 8 optimizer per pa
 import jax
 import optax
 import pytest
+from common import batches, make_init, train_step
 
 import zerojax as zj
 from zerojax.models import GPT, GPTConfig
 from zerojax.report import parse_collectives
-from common import batches, make_init, train_step
 
 # Model state dominates activations here (seq 8, one sequence per device), as in the regime
 # ZeRO is for; with long sequences activations set the peak and hide gradient buffers.
@@ -24,23 +24,26 @@ def report(stage):
         state = zero.init(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
         step = zero(train_step)
         data = batches(2, batch_size=N, cfg=CFG)
-        state, _ = step(state, data[0])                         # measure between steps
+        state, _ = step(state, data[0])  # measure between steps
         psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
         REPORTS[stage] = (zero.report(step, state, data[1]), psi)
     return REPORTS[stage]
 
 
-@pytest.mark.parametrize("stage,formula", [
-    (0, lambda psi: 12 * psi),                  # everything replicated
-    (1, lambda psi: 4 * psi + 8 * psi / N),     # optimizer state sharded
-    (2, lambda psi: 4 * psi + 8 * psi / N),     # gradients do not persist between steps
-    (3, lambda psi: 12 * psi / N),              # everything sharded
-])
+@pytest.mark.parametrize(
+    "stage,formula",
+    [
+        (0, lambda psi: 12 * psi),  # everything replicated
+        (1, lambda psi: 4 * psi + 8 * psi / N),  # optimizer state sharded
+        (2, lambda psi: 4 * psi + 8 * psi / N),  # gradients do not persist between steps
+        (3, lambda psi: 12 * psi / N),  # everything sharded
+    ],
+)
 def test_at_rest_bytes_match_zero_formulas(stage, formula):
     rep, psi = report(stage)
     total = sum(rep.resident.values())
     assert abs(total - formula(psi)) <= 0.02 * formula(psi) + rep.kept_replicated, (total, psi)
-    assert rep.kept_replicated < 0.02 * total       # only leaves < 1024 elements stay whole
+    assert rep.kept_replicated < 0.02 * total  # only leaves < 1024 elements stay whole
 
 
 def test_stages_0_and_1_all_reduce_the_gradients():
@@ -67,7 +70,7 @@ def test_stage_3_gathers_parameters_and_reduce_scatters_gradients():
     assert rep.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)
     assert rep.bytes_of("all-reduce") < 0.01 * 4 * psi
     rep0, _ = report(0)
-    assert rep.argument_bytes < rep0.argument_bytes / 6      # ≈ 12Ψ/N against 12Ψ
+    assert rep.argument_bytes < rep0.argument_bytes / 6  # ≈ 12Ψ/N against 12Ψ
 
 
 def test_report_prints_a_table():
@@ -87,8 +90,10 @@ HLO = """
 
 
 def test_hlo_parser_counts_each_collective_once_with_its_full_buffer():
-    got = {(c.kind, c.dtype): (c.buffer_bytes, c.group_size, c.sent_bytes)
-           for c in parse_collectives(HLO, 8)}
+    got = {
+        (c.kind, c.dtype): (c.buffer_bytes, c.group_size, c.sent_bytes)
+        for c in parse_collectives(HLO, 8)
+    }
     assert got == {
         ("all-reduce", "f32"): (64 * 256 * 4, 8, 2 * 7 / 8 * 64 * 256 * 4),
         ("reduce-scatter", "bf16"): (8 * 32 * 2 * 4, 4, 3 / 4 * 8 * 32 * 2 * 4),
@@ -118,8 +123,9 @@ ENTRY %main (a: f32[8,16]) -> f32[8,16] {
 def test_collectives_in_a_loop_count_once_per_iteration():
     # a scanned stack of 6 layers gathers 6 times: 6 x 64*16*4 bytes, plus one all-reduce
     found = parse_collectives(LOOP_HLO, 8)
-    assert sorted((c.kind, c.buffer_bytes) for c in found) == \
-        [("all-gather", 64 * 16 * 4)] * 6 + [("all-reduce", 16)]
+    assert sorted((c.kind, c.buffer_bytes) for c in found) == [("all-gather", 64 * 16 * 4)] * 6 + [
+        ("all-reduce", 16)
+    ]
 
 
 def test_report_on_one_device_has_nothing_to_partition_and_sends_nothing():

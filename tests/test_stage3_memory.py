@@ -1,5 +1,6 @@
 """Stage 3 with gather_on_use layers: the compiled peak barely grows with depth.
 Formula beside each assertion: slope = (peak(L=8) - peak(L=4)) / 4 per added layer."""
+
 import pathlib
 import sys
 
@@ -32,6 +33,7 @@ def test_stage_3_peak_does_not_grow_with_depth(scan):
 def _module_bytes() -> tuple:
     """fp32 bytes of one layer's attention (q, k, v, o) and SwiGLU MLP (gate, up, down)."""
     from stage3_depth import BASE
+
     d, f = BASE.d_model, BASE.d_ff
     return 4 * 4 * d * d, 4 * 3 * d * f
 
@@ -40,9 +42,9 @@ def test_stage_3_gathers_each_layer_twice_and_reduce_scatters_once():
     import jax
     import jax.numpy as jnp
     import optax
+    from stage3_depth import BASE
 
     import zerojax as zj
-    from stage3_depth import BASE
     from zerojax.models.gpt import make_init, train_step
     from zerojax.models.lm import LM
 

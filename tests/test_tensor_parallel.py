@@ -1,16 +1,17 @@
 """ZeRO on the 'data' axis composed with the tensor-parallel layout a Linen model declares
 (`nn.with_logical_partitioning` + logical rules) on a ('data', 'model') mesh."""
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from common import assert_trees_close, train_step
 from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from common import assert_trees_close, train_step
 
 VOCAB, D, FF, SEQ = 64, 32, 128, 8
 RULES = (("vocab", "model"), ("mlp", "model"), ("embed", None))
@@ -27,6 +28,7 @@ class MLPBlock(nn.Module):
 
 class TPModel(nn.Module):
     """Megatron-style: MLP hidden dim and vocabulary split over 'model'."""
+
     @nn.compact
     def __call__(self, tokens):
         x = nn.Embed(VOCAB, D, embedding_init=part(("vocab", "embed")))(tokens)
@@ -38,8 +40,9 @@ class TPModel(nn.Module):
 def init_fn(key):
     model = TPModel()
     params = model.init(key, jnp.zeros((1, SEQ), jnp.int32))["params"]
-    return train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                         tx=optax.adamw(1e-2, eps=1e-5))
+    return train_state.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adamw(1e-2, eps=1e-5)
+    )
 
 
 def data(n=6, rows=16):
@@ -52,20 +55,21 @@ def data(n=6, rows=16):
 
 
 def mesh_2d(data=4, model=2):
-    return jax.make_mesh((data, model), ("data", "model"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        (data, model), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 # The golden table: every parameter's spec holds both the model's 'model' axis and ZeRO's
 # 'data' axis (stage 3, 4 x 2 mesh): 'data' goes on the dimension the model left free.
 GOLDEN_STAGE3 = {
-    "params/Embed_0/embedding": P("model", "data"),              # (64, 32): vocab on model
-    "params/MLPBlock_0/Dense_0/kernel": P("data", "model"),      # (32, 128): mlp on model
-    "params/MLPBlock_0/Dense_1/kernel": P("model", "data"),      # (128, 32)
+    "params/Embed_0/embedding": P("model", "data"),  # (64, 32): vocab on model
+    "params/MLPBlock_0/Dense_0/kernel": P("data", "model"),  # (32, 128): mlp on model
+    "params/MLPBlock_0/Dense_1/kernel": P("model", "data"),  # (128, 32)
     "params/MLPBlock_1/Dense_0/kernel": P("data", "model"),
     "params/MLPBlock_1/Dense_1/kernel": P("model", "data"),
-    "params/Dense_0/kernel": P("data", "model"),                 # (32, 64): head, vocab on model
-    "params/MLPBlock_0/Dense_0/bias": P(),                       # (128,) below threshold 1024
+    "params/Dense_0/kernel": P("data", "model"),  # (32, 64): head, vocab on model
+    "params/MLPBlock_0/Dense_0/bias": P(),  # (128,) below threshold 1024
     "params/MLPBlock_0/LayerNorm_0/scale": P(),
 }
 
@@ -83,8 +87,10 @@ def test_parameter_specs_hold_both_axes_golden_table():
     mu = {p.path: p.spec for p in zero.plan(state) if "/mu/" in p.path}
     assert mu["opt_state/0/mu/MLPBlock_0/Dense_0/kernel"] == P("data", "model")
     # a (32, 128) kernel on 4 x 2 devices: each holds 8 x 64
-    assert state.params["MLPBlock_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape \
-        == (8, 64)
+    assert state.params["MLPBlock_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape == (
+        8,
+        64,
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -103,9 +109,9 @@ def test_tensor_parallel_plus_zero_matches_one_device(stage):
         state, m = zstep(state, batch)
         got.append(float(m["loss"]))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    assert_trees_close(state.params, single.params)    # per-leaf relative L2, see common.py
+    assert_trees_close(state.params, single.params)  # per-leaf relative L2, see common.py
     kernel = state.params["MLPBlock_0"]["Dense_0"]["kernel"]
-    assert "model" in str(kernel.sharding.spec)          # the model's TP layout at every stage
+    assert "model" in str(kernel.sharding.spec)  # the model's TP layout at every stage
     assert ("data" in str(kernel.sharding.spec)) == (stage == 3)
 
 
@@ -113,8 +119,11 @@ def test_unmapped_logical_name_and_zero_axis_conflicts_are_clear():
     zero = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=(("vocab", "model"),))
     with pytest.raises(zj.ZeroError, match="declares axis 'embed'.*logical_rules"):
         zero.init(init_fn, jax.random.key(0))
-    zero = zj.zero_shard(stage=3, mesh=mesh_2d(),
-                         logical_rules=(("vocab", "data"), ("mlp", "model"), ("embed", None)))
+    zero = zj.zero_shard(
+        stage=3,
+        mesh=mesh_2d(),
+        logical_rules=(("vocab", "data"), ("mlp", "model"), ("embed", None)),
+    )
     with pytest.raises(zj.ZeroError, match="the axis ZeRO shards over"):
         zero.init(init_fn, jax.random.key(0))
     with pytest.raises(zj.ZeroError, match="tensor-parallel axes"):
@@ -123,6 +132,7 @@ def test_unmapped_logical_name_and_zero_axis_conflicts_are_clear():
 
 def test_logical_rules_without_annotations_warn():
     from common import make_init
+
     zero = zj.zero_shard(stage=3, logical_rules=RULES)
     with pytest.warns(UserWarning, match="logical_rules has nothing to map"):
         zero.init(make_init(optax.sgd(0.1)), jax.random.key(0))

@@ -1,20 +1,31 @@
 """zerojax: DeepSpeed's ZeRO stages as sharding rules over a JAX device mesh."""
+
 from zerojax import xla_flags as _xla_flags
 
-_xla_flags.apply_defaults()   # before anything starts JAX's backend
+_xla_flags.apply_defaults()  # before anything starts JAX's backend
 
-from zerojax.config import ZeroError, ZeroConfig
-from zerojax.engine import ZeroShard, zero_shard
-from zerojax.step import ZeroStep
-from zerojax.mesh import make_mesh
+from zerojax.config import ZeroConfig, ZeroError  # noqa: E402
+from zerojax.engine import ZeroShard, zero_shard  # noqa: E402
+from zerojax.mesh import make_mesh  # noqa: E402
+from zerojax.step import ZeroStep  # noqa: E402
 
-__all__ = ["CheckpointManager", "ZeroError", "ZeroConfig", "ZeroShard", "ZeroStep", "make_mesh",
-           "zero_shard"]
+__all__ = [
+    "CheckpointManager",
+    "ZeroError",
+    "ZeroConfig",
+    "ZeroShard",
+    "ZeroStep",
+    "make_mesh",
+    "zero_shard",
+]
 
 
 def __getattr__(name):
-    if name == "CheckpointManager":      # orbax loads only when checkpoints are used
+    if name == "CheckpointManager":  # orbax loads only when checkpoints are used
         from zerojax.checkpoint import CheckpointManager
+
         return CheckpointManager
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -10,10 +10,12 @@ device at stage 0 in fp32, with no conversion step. Orbax writes each step into 
 directory and renames it when complete, so a crash never leaves a partial step that restore
 would read.
 """
+
 from __future__ import annotations
 
 import os
 import signal
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,8 +28,15 @@ from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 
 # ZeroOptState fields a checkpoint keeps under "zero" (the others are derived or empty at an
 # optimizer-step boundary: master -> params, inner -> opt_state, accum / per_device zeros)
-SCALER_FIELDS = ("scale", "good_steps", "hysteresis", "skipped", "last_skipped", "grad_norm",
-                 "overflow_at_min_scale")
+SCALER_FIELDS = (
+    "scale",
+    "good_steps",
+    "hysteresis",
+    "skipped",
+    "last_skipped",
+    "grad_norm",
+    "overflow_at_min_scale",
+)
 
 
 def _canonical_paths(state) -> list:
@@ -37,7 +46,7 @@ def _canonical_paths(state) -> list:
     has_master = zero_opt and present(state.opt_state.master)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = tuple(key_name(k) for k in path)
-        head = category_of(path)        # a tuple state's (params, opt_state) are stored by name
+        head = category_of(path)  # a tuple state's (params, opt_state) are stored by name
         if head == PARAMS:
             out.append((None if has_master else (PARAMS, *names[1:]), leaf))  # master: truth
         elif head == OPT_STATE and zero_opt:
@@ -48,7 +57,7 @@ def _canonical_paths(state) -> list:
                 out.append(((OPT_STATE, *names[2:]), leaf))
             elif field in SCALER_FIELDS:
                 out.append((("zero", field), leaf))
-            else:                                   # micro, accum, per_device: step-boundary 0
+            else:  # micro, accum, per_device: step-boundary 0
                 out.append((None, leaf))
         elif head == OPT_STATE:
             out.append(((OPT_STATE, *names[1:]), leaf))
@@ -59,7 +68,7 @@ def _canonical_paths(state) -> list:
 
 def nest(pairs) -> dict:
     """A nested dict from (key tuple, value) pairs."""
-    tree = {}
+    tree: dict = {}
     for keys, value in pairs:
         node = tree
         for k in keys[:-1]:
@@ -85,36 +94,57 @@ def canonical_tree(state) -> dict:
     micro = getattr(getattr(state, "opt_state", None), "micro", None)
     micro = 0 if micro is None else int(jax.device_get(micro))
     if micro:
-        raise ZeroError(f"cannot checkpoint in the middle of gradient accumulation (micro-step "
-                        f"{micro}): save after an optimizer step.")
-    return nest((keys, jax.random.key_data(x) if _is_key(x) else x)
-                 for keys, x in _canonical_paths(state) if keys is not None)
+        raise ZeroError(
+            f"cannot checkpoint in the middle of gradient accumulation (micro-step "
+            f"{micro}): save after an optimizer step."
+        )
+    return nest(
+        (keys, jax.random.key_data(x) if _is_key(x) else x)
+        for keys, x in _canonical_paths(state)
+        if keys is not None
+    )
 
 
 class CheckpointManager:
     """Sharded, async checkpoints of a zerojax train state (see the module docstring).
 
-        ckpt = zj.CheckpointManager("ckpt", zero, save_interval_steps=100)
-        state, extra = ckpt.restore(state)            # if ckpt.latest_step() is not None
-        ckpt.save(step, state, extra={"data_position": pos})
-        ckpt.close()
+    ckpt = zj.CheckpointManager("ckpt", zero, save_interval_steps=100)
+    state, extra = ckpt.restore(state)            # if ckpt.latest_step() is not None
+    ckpt.save(step, state, extra={"data_position": pos})
+    ckpt.close()
     """
 
-    def __init__(self, directory, zero, *, save_interval_steps: int = 1,
-                 max_to_keep: int | None = None, async_save: bool = True,
-                 save_on_preemption: bool = False):
+    def __init__(
+        self,
+        directory,
+        zero,
+        *,
+        save_interval_steps: int = 1,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+        save_on_preemption: bool = False,
+    ):
         self.directory, self.zero = os.path.abspath(os.fspath(directory)), zero
-        self._mgr = orbax_manager(self.directory, ocp.CheckpointManagerOptions(
-            save_interval_steps=save_interval_steps, max_to_keep=max_to_keep, create=True,
-            cleanup_tmp_directories=True, enable_async_checkpointing=async_save))
-        self._sigterm, self._unsaved = False, None
+        self._mgr = orbax_manager(
+            self.directory,
+            ocp.CheckpointManagerOptions(
+                save_interval_steps=save_interval_steps,
+                max_to_keep=max_to_keep,
+                create=True,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=async_save,
+            ),
+        )
+        self._sigterm = False
+        self._unsaved: tuple[int, Any] | None = None  # a step save() offered but skipped
         if save_on_preemption:
             previous = signal.getsignal(signal.SIGTERM)
 
             def on_sigterm(signum, frame):
-                self._sigterm = True    # save() and `preempted` then save and wait
+                self._sigterm = True  # save() and `preempted` then save and wait
                 if callable(previous) and previous not in (signal.SIG_DFL, signal.SIG_IGN):
                     previous(signum, frame)
+
             signal.signal(signal.SIGTERM, on_sigterm)
 
     def save(self, step: int, state, extra: dict | None = None, *, force: bool = False) -> bool:
@@ -123,8 +153,10 @@ class CheckpointManager:
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
         if is_nnx(state):
             state = nnx_state(state)
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(canonical_tree(state)),
-                                  extra=ocp.args.JsonSave(dict(extra or {})))
+        args = ocp.args.Composite(
+            state=ocp.args.PyTreeSave(canonical_tree(state)),
+            extra=ocp.args.JsonSave(dict(extra or {})),
+        )
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
         self._unsaved = None if saved else (int(step), args)
         self._finish_preemption()
@@ -149,11 +181,11 @@ class CheckpointManager:
                 self._mgr.save(step, force=True, args=args)
         self._mgr.wait_until_finished()
 
-    def restore(self, target, step: int | None = None):
+    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
         an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
-        if is_nnx(target):      # NNX: new objects like `target` (real or nnx.eval_shape'd)
+        if is_nnx(target):  # NNX: new objects like `target` (real or nnx.eval_shape'd)
             objs, shape_back = as_objects(target)
             layout = NnxLayout(objs)
             state, extra = self.restore(layout.state, step)
@@ -163,28 +195,50 @@ class CheckpointManager:
         shardings = self.zero.state_shardings(abstract)
         wanted = _canonical_paths(abstract)
         request, restore_args = [], []
-        for (keys, leaf), sharding in zip(wanted, jax.tree_util.tree_leaves(shardings)):
+        for (keys, leaf), sharding in zip(
+            wanted, jax.tree_util.tree_leaves(shardings), strict=True
+        ):
             meta = None if keys is None else _lookup(saved, keys)
             if keys is None or (meta is None and keys[0] == "zero"):
-                continue                            # derived, or a fresh scaler is fine
+                continue  # derived, or a fresh scaler is fine
             shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
             if meta is None:
-                raise ZeroError(f"checkpoint step {step} in {self.directory} has no "
-                                f"{'/'.join(keys)}, which the target state needs.")
+                raise ZeroError(
+                    f"checkpoint step {step} in {self.directory} has no "
+                    f"{'/'.join(keys)}, which the target state needs."
+                )
             if tuple(meta.shape) != shape:
-                raise ZeroError(f"checkpoint leaf {'/'.join(keys)} has shape "
-                                f"{tuple(meta.shape)}, the target {shape}: a different model?")
+                raise ZeroError(
+                    f"checkpoint leaf {'/'.join(keys)} has shape "
+                    f"{tuple(meta.shape)}, the target {shape}: a different model?"
+                )
             request.append((keys, jax.ShapeDtypeStruct(shape, meta.dtype)))
-            restore_args.append((keys, ocp.ArrayRestoreArgs(
-                sharding=sharding if not _is_key(leaf) else
-                jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()),
-                dtype=meta.dtype)))
-        out = self._mgr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=nest(request), restore_args=nest(restore_args),
-                                         partial_restore=True),
-            extra=ocp.args.JsonRestore()))
-        return (_assemble(abstract, shardings, wanted, out["state"], self.zero.config),
-                dict(out["extra"] or {}))
+            restore_args.append(
+                (
+                    keys,
+                    ocp.ArrayRestoreArgs(
+                        sharding=sharding
+                        if not _is_key(leaf)
+                        else jax.sharding.NamedSharding(
+                            sharding.mesh, jax.sharding.PartitionSpec()
+                        ),
+                        dtype=meta.dtype,
+                    ),
+                )
+            )
+        out = self._mgr.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=nest(request), restore_args=nest(restore_args), partial_restore=True
+                ),
+                extra=ocp.args.JsonRestore(),
+            ),
+        )
+        return (
+            _assemble(abstract, shardings, wanted, out["state"], self.zero.config),
+            dict(out["extra"] or {}),
+        )
 
     def latest_step(self) -> int | None:
         return self._mgr.latest_step()
@@ -192,11 +246,11 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return list(self._mgr.all_steps())
 
-    def wait(self):
+    def wait(self) -> None:
         """Block until every started save is on disk."""
         self._mgr.wait_until_finished()
 
-    def close(self):
+    def close(self) -> None:
         self._mgr.wait_until_finished()
         self._mgr.close()
 
@@ -209,8 +263,14 @@ class CheckpointManager:
 
 def orbax_manager(directory: str, options) -> ocp.CheckpointManager:
     """An orbax manager for zerojax's two items: the canonical `state` tree and JSON `extra`."""
-    return ocp.CheckpointManager(directory, options=options, item_handlers={
-        "state": ocp.PyTreeCheckpointHandler(), "extra": ocp.JsonCheckpointHandler()})
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        item_handlers={
+            "state": ocp.PyTreeCheckpointHandler(),
+            "extra": ocp.JsonCheckpointHandler(),
+        },
+    )
 
 
 def saved_step(mgr, step: int | None) -> tuple[int, dict]:
@@ -219,8 +279,10 @@ def saved_step(mgr, step: int | None) -> tuple[int, dict]:
     steps = list(mgr.all_steps())
     step = mgr.latest_step() if step is None else int(step)
     if step is None or step not in steps:
-        raise ZeroError(f"no complete checkpoint {'' if step is None else step} in "
-                        f"{mgr.directory} (steps there: {steps}).")
+        raise ZeroError(
+            f"no complete checkpoint {'' if step is None else step} in "
+            f"{mgr.directory} (steps there: {steps})."
+        )
     meta = mgr.item_metadata(step)["state"]
     return step, getattr(meta, "tree", meta)
 
@@ -238,12 +300,18 @@ def _assemble(abstract, shardings, wanted, restored, cfg):
     scaler = initial_scaler(cfg)
     leaves = []
     for (path, leaf), (keys, _), sharding in zip(
-            jax.tree_util.tree_flatten_with_path(abstract)[0], wanted,
-            jax.tree_util.tree_leaves(shardings)):
+        jax.tree_util.tree_flatten_with_path(abstract)[0],
+        wanted,
+        jax.tree_util.tree_leaves(shardings),
+        strict=True,
+    ):
         names = tuple(key_name(k) for k in path)
         if keys is None:
-            value = _lookup(restored, (PARAMS, *names[1:])) if category_of(path) == PARAMS else \
-                np.zeros(leaf.shape, leaf.dtype)
+            value = (
+                _lookup(restored, (PARAMS, *names[1:]))
+                if category_of(path) == PARAMS
+                else np.zeros(leaf.shape, leaf.dtype)
+            )
         else:
             value = _lookup(restored, keys)
             if value is None:

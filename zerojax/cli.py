@@ -10,6 +10,7 @@
 allocated; `zero.eval_shape`) and prints, per ZeRO stage, the per-device bytes at rest and at
 the compiled peak and the communication per step, all read from the compiled program.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,20 @@ import json
 import os
 import re
 import sys
+from typing import Any
 
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-         "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -31,12 +43,18 @@ def parse_bytes(text: str) -> int:
 
 
 def plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="per-device memory and communication of each ZeRO stage",
-                       description=__doc__.split("\n\n")[2].replace("\n", " "))
+    p = sub.add_parser(
+        "plan",
+        help="per-device memory and communication of each ZeRO stage",
+        description=__doc__.split("\n\n")[2].replace("\n", " "),
+    )
     p.add_argument("--preset", default="tiny", help="example LM preset (tiny ... 7b)")
     p.add_argument("--devices", type=int, default=8, help="data-parallel devices N")
-    p.add_argument("--mesh", help="NODESxLOCAL, e.g. 2x4: a ('node', 'local') mesh (counts "
-                   "cross-node bytes, adds ZeRO++ and MiCS rows at stage 3); '8' or '1x8': 1-D")
+    p.add_argument(
+        "--mesh",
+        help="NODESxLOCAL, e.g. 2x4: a ('node', 'local') mesh (counts "
+        "cross-node bytes, adds ZeRO++ and MiCS rows at stage 3); '8' or '1x8': 1-D",
+    )
     p.add_argument("--layers", type=int, help="override the preset's layer count")
     p.add_argument("--seq-len", type=int, help="override the preset's sequence length")
     p.add_argument("--batch-size", type=int, default=1, help="sequences per device per step")
@@ -59,20 +77,26 @@ def _mesh_local(args) -> int | None:
     m = re.fullmatch(r"(?:(\d+)x)?(\d+)", args.mesh)
     nodes, local = (int(m.group(1) or 1), int(m.group(2))) if m else (0, 0)
     if not m or nodes * local != args.devices:
-        raise SystemExit(f"zerojax plan: --mesh {args.mesh!r} must be NODESxLOCAL with NODES x "
-                         f"LOCAL = --devices {args.devices} (e.g. 2x{args.devices // 2}).")
+        raise SystemExit(
+            f"zerojax plan: --mesh {args.mesh!r} must be NODESxLOCAL with NODES x "
+            f"LOCAL = --devices {args.devices} (e.g. 2x{args.devices // 2})."
+        )
     return local if nodes > 1 else None
 
 
-ZEROPP = {"qwZ+hpZ+qgZ": lambda local: dict(quantized_weights=True, hpz_partition_size=local,
-                                            quantized_gradients=True),
-          "MiCS": lambda local: dict(mics_shard_size=local)}
+ZEROPP = {
+    "qwZ+hpZ+qgZ": lambda local: dict(
+        quantized_weights=True, hpz_partition_size=local, quantized_gradients=True
+    ),
+    "MiCS": lambda local: dict(mics_shard_size=local),
+}
 
 
 def plan(args) -> int:
     local = _mesh_local(args)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               f" --xla_force_host_platform_device_count={args.devices}")
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp
@@ -83,50 +107,83 @@ def plan(args) -> int:
     from zerojax.models.lm import LM, LM_PRESETS
 
     if args.preset not in LM_PRESETS:
-        print(f"zerojax plan: unknown preset {args.preset!r}; presets: "
-              f"{', '.join(LM_PRESETS)}", file=sys.stderr)
+        print(
+            f"zerojax plan: unknown preset {args.preset!r}; presets: {', '.join(LM_PRESETS)}",
+            file=sys.stderr,
+        )
         return 2
     overrides = {k: v for k, v in (("n_layers", args.layers), ("seq_len", args.seq_len)) if v}
-    cfg = LM_PRESETS[args.preset].replace(scan_layers=not args.unrolled,
-                                          remat=not args.no_remat, **overrides)
+    cfg = LM_PRESETS[args.preset].replace(
+        scan_layers=not args.unrolled, remat=not args.no_remat, **overrides
+    )
     init_fn = make_init(LM(cfg), optax.adamw(1e-4))
     batch = jax.ShapeDtypeStruct((args.batch_size * args.devices, cfg.seq_len + 1), jnp.int32)
     stages = [args.stage] if args.stage is not None else range(4)
-    configs = ([zj.ZeroConfig.from_json(args.config)] if args.config else
-               [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages] +
-               [zj.ZeroConfig(stage=s, precision=args.precision,
-                              **{k: v for k, v in offload.items() if k.startswith("offload")})
-                for s in stages for offload in OFFLOADS[1:] if s >= offload["min_stage"]
-                and not args.no_offload] +
-               [zj.ZeroConfig(stage=3, precision=args.precision, **variant(local))
-                for variant in ZEROPP.values() if local and 3 in stages])
+    configs = (
+        [zj.ZeroConfig.from_json(args.config)]
+        if args.config
+        else [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages]
+        + [
+            zj.ZeroConfig(
+                stage=s,
+                precision=args.precision,
+                **{k: v for k, v in offload.items() if k.startswith("offload")},
+            )
+            for s in stages
+            for offload in OFFLOADS[1:]
+            if s >= offload["min_stage"] and not args.no_offload
+        ]
+        + [
+            zj.ZeroConfig(stage=3, precision=args.precision, **variant(local))
+            for variant in ZEROPP.values()
+            if local and 3 in stages
+        ]
+    )
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
     rows = []
     for cfg_z in configs:
         group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
-        zero = zj.zero_shard(config=cfg_z, mesh=zj.make_mesh(
-            jax.devices()[:args.devices], local=group if group and group > 1 else None))
+        zero = zj.zero_shard(
+            config=cfg_z,
+            mesh=zj.make_mesh(
+                jax.devices()[: args.devices], local=group if group and group > 1 else None
+            ),
+        )
         state = zero.eval_shape(init_fn, jax.random.key(0))
         offload, zeropp = _offload_name(cfg_z), _zeropp_name(cfg_z)
-        dump = (os.path.join(args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}_"
-                             f"offload-{offload}_{zeropp}") if args.dump_hlo else None)
+        dump = (
+            os.path.join(
+                args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}_offload-{offload}_{zeropp}"
+            )
+            if args.dump_hlo
+            else None
+        )
         rep = zero.report(zero(train_step), state, batch, dump_to=dump)
-        rows.append({
-            "stage": cfg_z.stage, "offload": offload, "zeropp": zeropp,
-            "precision": cfg_z.precision, "mesh": dict(zero.mesh.shape),
-            "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
-            "peak_bytes": rep.peak_bytes, "peak_bound_bytes": rep.peak_bound_bytes,
-            "at_rest_bytes": sum(rep.resident.values()),
-            "at_rest_by_category": rep.resident,
-            "host_bytes": sum(rep.host_resident.values()),
-            "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
-            "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
-            # a 1-D mesh has no node boundary to count
-            "cross_node_bytes": int(rep.cross_node_bytes) if "node" in zero.mesh.shape else None,
-            "fits": None if args.device_memory is None else
-            rep.peak_bound_bytes <= args.device_memory,
-        })
+        rows.append(
+            {
+                "stage": cfg_z.stage,
+                "offload": offload,
+                "zeropp": zeropp,
+                "precision": cfg_z.precision,
+                "mesh": dict(zero.mesh.shape),
+                "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
+                "peak_bytes": rep.peak_bytes,
+                "peak_bound_bytes": rep.peak_bound_bytes,
+                "at_rest_bytes": sum(rep.resident.values()),
+                "at_rest_by_category": rep.resident,
+                "host_bytes": sum(rep.host_resident.values()),
+                "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
+                "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
+                # a 1-D mesh has no node boundary to count
+                "cross_node_bytes": int(rep.cross_node_bytes)
+                if "node" in zero.mesh.shape
+                else None,
+                "fits": None
+                if args.device_memory is None
+                else rep.peak_bound_bytes <= args.device_memory,
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
@@ -137,33 +194,47 @@ def plan(args) -> int:
 def _print_table(rows, args, cfg) -> None:
     unit, size = ("GiB", 2**30) if max(r["peak_bytes"] for r in rows) >= 2**30 else ("MiB", 2**20)
     gib = lambda b: f"{b / size:9.2f}"
-    print(f"preset {args.preset}: {rows[0]['params']:,} parameters, {cfg.n_layers} layers "
-          f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
-          f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}")
+    print(
+        f"preset {args.preset}: {rows[0]['params']:,} parameters, {cfg.n_layers} layers "
+        f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
+        f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}"
+    )
     cross = rows[0]["cross_node_bytes"] is not None
-    print(f"{'stage':>5} {'offload':>15} {'ZeRO++':>12} {'at rest ' + unit:>11} "
-          f"{'peak ' + unit:>9} {'bound ' + unit:>9} {'host ' + unit:>9} "
-          f"{'sent ' + unit + '/step':>13}" + (f"{'cross-node':>11}" if cross else "") + "  fits")
+    print(
+        f"{'stage':>5} {'offload':>15} {'ZeRO++':>12} {'at rest ' + unit:>11} "
+        f"{'peak ' + unit:>9} {'bound ' + unit:>9} {'host ' + unit:>9} "
+        f"{'sent ' + unit + '/step':>13}" + (f"{'cross-node':>11}" if cross else "") + "  fits"
+    )
     for r in rows:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
-        print(f"{r['stage']:>5} {r['offload']:>15} {r['zeropp']:>12} "
-              f"{gib(r['at_rest_bytes']):>11} {gib(r['peak_bytes'])} "
-              f"{gib(r['peak_bound_bytes'])} {gib(r['host_bytes'])} "
-              f"{gib(r['comm_sent_bytes']):>13}" +
-              (f"{gib(r['cross_node_bytes']):>11}" if cross else "") + f"  {fits}")
-    print("per device. at rest: state in device memory between steps; peak: compiled arguments "
-          "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
-          "host: offloaded state in pinned host memory. Offload rows update on the host. sent: "
-          "bytes one device sends per step (ring algorithms); cross-node: of which in "
-          "collectives whose groups span nodes.")
+        print(
+            f"{r['stage']:>5} {r['offload']:>15} {r['zeropp']:>12} "
+            f"{gib(r['at_rest_bytes']):>11} {gib(r['peak_bytes'])} "
+            f"{gib(r['peak_bound_bytes'])} {gib(r['host_bytes'])} "
+            f"{gib(r['comm_sent_bytes']):>13}"
+            + (f"{gib(r['cross_node_bytes']):>11}" if cross else "")
+            + f"  {fits}"
+        )
+    print(
+        "per device. at rest: state in device memory between steps; peak: compiled arguments "
+        "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
+        "host: offloaded state in pinned host memory. Offload rows update on the host. sent: "
+        "bytes one device sends per step (ring algorithms); cross-node: of which in "
+        "collectives whose groups span nodes."
+    )
     if args.device_memory is not None:
         best = cheapest(rows)
-        print(f"cheapest that fits {args.device_memory / 1e9:g} GB: " +
-              (f"stage {best['stage']}, offload {best['offload']}, ZeRO++ {best['zeropp']} (no "
-               "offload before offload, then fewest cross-node bytes, then fewest bytes sent "
-               "per device; ZeRO++ quantizes weights and gradients, MiCS keeps more state per "
-               "device)" if best else
-               "none; add devices, lower the batch or sequence length"))
+        print(
+            f"cheapest that fits {args.device_memory / 1e9:g} GB: "
+            + (
+                f"stage {best['stage']}, offload {best['offload']}, ZeRO++ {best['zeropp']} (no "
+                "offload before offload, then fewest cross-node bytes, then fewest bytes sent "
+                "per device; ZeRO++ quantizes weights and gradients, MiCS keeps more state per "
+                "device)"
+                if best
+                else "none; add devices, lower the batch or sequence length"
+            )
+        )
 
 
 def cheapest(rows):
@@ -171,24 +242,43 @@ def cheapest(rows):
     per device (an all-reduce sends twice what a reduce-scatter does), then the lowest peak."""
     rank = {name: i for i, name in enumerate(o["name"] for o in OFFLOADS)}
     fitting = [r for r in rows if r["fits"]]
-    return min(fitting, key=lambda r: (rank[r["offload"]], r["cross_node_bytes"] or 0,
-                                       r["comm_sent_bytes"], r["peak_bound_bytes"]),
-               default=None)
+    return min(
+        fitting,
+        key=lambda r: (
+            rank[r["offload"]],
+            r["cross_node_bytes"] or 0,
+            r["comm_sent_bytes"],
+            r["peak_bound_bytes"],
+        ),
+        default=None,
+    )
 
 
-OFFLOADS = (
+OFFLOADS: tuple[dict[str, Any], ...] = (
     {"name": "none", "min_stage": 0},
     {"name": "optimizer", "min_stage": 1, "offload_optimizer": "cpu", "offload_update": "host"},
-    {"name": "optimizer+param", "min_stage": 3, "offload_optimizer": "cpu",
-     "offload_param": "cpu", "offload_update": "host"},
+    {
+        "name": "optimizer+param",
+        "min_stage": 3,
+        "offload_optimizer": "cpu",
+        "offload_param": "cpu",
+        "offload_update": "host",
+    },
 )
 
 
 def _zeropp_name(cfg) -> str:
     """'none', or the ZeRO++ techniques / MiCS a config turns on, e.g. 'qwZ+hpZ+qgZ'."""
-    names = [n for n, on in (("qwZ", cfg.quantized_weights), ("hpZ", cfg.hpz_partition_size > 1),
-                             ("qgZ", cfg.quantized_gradients), ("MiCS", cfg.mics_shard_size > 0))
-             if on]
+    names = [
+        n
+        for n, on in (
+            ("qwZ", cfg.quantized_weights),
+            ("hpZ", cfg.hpz_partition_size > 1),
+            ("qgZ", cfg.quantized_gradients),
+            ("MiCS", cfg.mics_shard_size > 0),
+        )
+        if on
+    ]
     return "+".join(names) or "none"
 
 
@@ -216,11 +306,14 @@ def checkpoint(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zerojax.config import ZeroError
     from zerojax.export import export, info
+
     try:
         if args.action == "export":
             done = export(args.directory, args.out, step=args.step, dtype=args.dtype)
-            print(f"wrote {done['out']}: step {done['step']}, {done['leaves']} parameter "
-                  f"leaves in {done['dtype']}, {done['bytes']:,} bytes")
+            print(
+                f"wrote {done['out']}: step {done['step']}, {done['leaves']} parameter "
+                f"leaves in {done['dtype']}, {done['bytes']:,} bytes"
+            )
             return 0
         summary = info(args.directory, step=args.step)
     except ZeroError as e:
@@ -229,11 +322,15 @@ def checkpoint(args) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
-    print(f"{summary['directory']}: steps {summary['steps']}; step {summary['step']}, "
-          f"{summary['total_bytes']:,} bytes, extra {summary['extra']}")
+    print(
+        f"{summary['directory']}: steps {summary['steps']}; step {summary['step']}, "
+        f"{summary['total_bytes']:,} bytes, extra {summary['extra']}"
+    )
     for leaf in summary["leaves"]:
-        print(f"  {leaf['path']:<60} {str(tuple(leaf['shape'])):>20} {leaf['dtype']:>9} "
-              f"{leaf['bytes']:>14,}  saved as {leaf['saved_sharding']}")
+        print(
+            f"  {leaf['path']:<60} {str(tuple(leaf['shape'])):>20} {leaf['dtype']:>9} "
+            f"{leaf['bytes']:>14,}  saved as {leaf['saved_sharding']}"
+        )
     return 0
 
 
@@ -241,15 +338,16 @@ def config_parser(sub) -> None:
     p = sub.add_parser("config", help="what zerojax does with a DeepSpeed JSON config")
     actions = p.add_subparsers(dest="action", required=True)
     e = actions.add_parser("explain", help="key by key: acts / ignored (why) / error")
-    e.add_argument("file")
+    e.add_argument("file", help="a JSON file, or a shipped preset's name (e.g. zero3_offload)")
     e.add_argument("--devices", type=int, help="resolve the batch arithmetic for N devices")
 
 
 def config(args) -> int:
-    from zerojax.config import ZeroConfig, ZeroError
+    from zerojax.config import ZeroConfig, ZeroError, config_path
     from zerojax.deepspeed import explain
+
     try:
-        with open(args.file) as f:
+        with open(config_path(args.file)) as f:
             data = json.load(f)
         rows, options, unknown = explain(data)
         resolved = ZeroConfig(**options)
@@ -270,14 +368,16 @@ def config(args) -> int:
 def launch_parser(sub) -> None:
     p = sub.add_parser("launch", help="run a script as P local processes (jax.distributed)")
     p.add_argument("-n", "--num-processes", type=int, required=True)
-    p.add_argument("--devices-per-process", type=int,
-                   help="simulated CPU devices per process (XLA_FLAGS)")
+    p.add_argument(
+        "--devices-per-process", type=int, help="simulated CPU devices per process (XLA_FLAGS)"
+    )
     p.add_argument("--port", type=int, help="coordinator port (default: a free one)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- python script.py ...")
 
 
 def launch(args) -> int:
     from zerojax.launch import launch as run
+
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     return run(args.num_processes, cmd, args.devices_per_process, args.port)
 
@@ -290,8 +390,9 @@ def main(argv=None) -> int:
     config_parser(sub)
     launch_parser(sub)
     args = parser.parse_args(argv)
-    return {"plan": plan, "checkpoint": checkpoint, "config": config,
-            "launch": launch}[args.command](args)
+    return {"plan": plan, "checkpoint": checkpoint, "config": config, "launch": launch}[
+        args.command
+    ](args)
 
 
 if __name__ == "__main__":

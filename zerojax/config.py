@@ -2,6 +2,7 @@
 
 This module imports no jax, so configs can be built, validated and explained anywhere.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +10,8 @@ import difflib
 import json
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 
 class ZeroError(ValueError):
@@ -185,36 +187,50 @@ class ZeroConfig:
 
     def __post_init__(self):
         if not isinstance(self.stage, int) or self.stage not in (0, 1, 2, 3):
-            raise ZeroError(f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
-                              "stage 3 shards parameters, gradients and optimizer state.")
+            raise ZeroError(
+                f"stage must be 0, 1, 2 or 3 (got {self.stage!r}); "
+                "stage 3 shards parameters, gradients and optimizer state."
+            )
         if isinstance(self.axis, list):
             object.__setattr__(self, "axis", tuple(self.axis))
         names = self.axis if isinstance(self.axis, tuple) else (self.axis,)
         if not names or not all(isinstance(a, str) and a for a in names):
             raise ZeroError(f"axis must be a mesh axis name such as 'data' (got {self.axis!r}).")
         if self.prefetch not in (0, 1):
-            raise ZeroError(f"prefetch must be 0 or 1 layers ahead (got {self.prefetch!r}): "
-                            "more layers ahead only keeps more gathered weights alive.")
+            raise ZeroError(
+                f"prefetch must be 0 or 1 layers ahead (got {self.prefetch!r}): "
+                "more layers ahead only keeps more gathered weights alive."
+            )
         if not isinstance(self.persistence_threshold, int) or self.persistence_threshold < 0:
-            raise ZeroError("persistence_threshold must be a number of elements >= 0 "
-                              f"(got {self.persistence_threshold!r}).")
+            raise ZeroError(
+                "persistence_threshold must be a number of elements >= 0 "
+                f"(got {self.persistence_threshold!r})."
+            )
         rules = tuple(tuple(r) for r in self.rules)
         for rule in rules:
-            if len(rule) != 2 or not isinstance(rule[0], str) or not (
-                    rule[1] is None or isinstance(rule[1], int)):
+            if (
+                len(rule) != 2
+                or not isinstance(rule[0], str)
+                or not (rule[1] is None or isinstance(rule[1], int))
+            ):
                 raise ZeroError(f"each rule is (regex, dim or None); got {rule!r}.")
             try:
                 re.compile(rule[0])
             except re.error as e:
                 raise ZeroError(f"rule regex {rule[0]!r} does not compile: {e}.") from None
         object.__setattr__(self, "rules", rules)
-        logical = tuple(tuple(r) if isinstance(r, (list, tuple)) else r
-                        for r in self.logical_rules)
+        logical = tuple(tuple(r) if isinstance(r, (list, tuple)) else r for r in self.logical_rules)
         for rule in logical:
-            if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
-                    and (rule[1] is None or isinstance(rule[1], (str, tuple)))):
-                raise ZeroError("each logical rule is (logical name, mesh axis or None), e.g. "
-                                f"('mlp', 'model'); got {rule!r}.")
+            if not (
+                isinstance(rule, tuple)
+                and len(rule) == 2
+                and isinstance(rule[0], str)
+                and (rule[1] is None or isinstance(rule[1], (str, tuple)))
+            ):
+                raise ZeroError(
+                    "each logical rule is (logical name, mesh axis or None), e.g. "
+                    f"('mlp', 'model'); got {rule!r}."
+                )
         object.__setattr__(self, "logical_rules", logical)
         self._check_update_options()
         self._check_offload_options()
@@ -224,49 +240,75 @@ class ZeroConfig:
         for name in ("quantized_weights", "quantized_gradients"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
-        for name, low in (("hpz_partition_size", 1), ("mics_shard_size", -1),
-                          ("quantized_weights_block", 2), ("quantized_gradients_block", 2)):
+        for name, low in (
+            ("hpz_partition_size", 1),
+            ("mics_shard_size", -1),
+            ("quantized_weights_block", 2),
+            ("quantized_gradients_block", 2),
+        ):
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ZeroError(f"{name} must be an integer >= {low} (got {value!r}).")
         _choice("quantized_gradients_bits", self.quantized_gradients_bits, (4, 8))
         if self.quantized_gradients_block % 2:
-            raise ZeroError("quantized_gradients_block must be even (int4 codes are packed two "
-                            f"per byte; got {self.quantized_gradients_block}).")
-        used = [name for name, on in (
-            ("quantized_weights (qwZ)", self.quantized_weights),
-            ("hpz_partition_size (hpZ)", self.hpz_partition_size > 1),
-            ("quantized_gradients (qgZ)", self.quantized_gradients),
-            ("mics_shard_size (MiCS)", self.mics_shard_size > 0)) if on]
+            raise ZeroError(
+                "quantized_gradients_block must be even (int4 codes are packed two "
+                f"per byte; got {self.quantized_gradients_block})."
+            )
+        used = [
+            name
+            for name, on in (
+                ("quantized_weights (qwZ)", self.quantized_weights),
+                ("hpz_partition_size (hpZ)", self.hpz_partition_size > 1),
+                ("quantized_gradients (qgZ)", self.quantized_gradients),
+                ("mics_shard_size (MiCS)", self.mics_shard_size > 0),
+            )
+            if on
+        ]
         if used and self.stage != 3:
-            raise ZeroError(f"{', '.join(used)} need stage 3 (got stage {self.stage}): they "
-                            "change stage 3's parameter gathers and gradient reduce-scatters.")
+            raise ZeroError(
+                f"{', '.join(used)} need stage 3 (got stage {self.stage}): they "
+                "change stage 3's parameter gathers and gradient reduce-scatters."
+            )
         if used and not self.explicit_collectives:
-            raise ZeroError(f"{', '.join(used)} are zerojax's own collectives around "
-                            "state.apply_fn: they need explicit_collectives=True.")
+            raise ZeroError(
+                f"{', '.join(used)} are zerojax's own collectives around "
+                "state.apply_fn: they need explicit_collectives=True."
+            )
         if self.hpz_partition_size > 1 and self.mics_shard_size > 0:
-            raise ZeroError("hpz_partition_size and mics_shard_size both group the devices of "
-                            "a node: MiCS already keeps every gather inside the node; use one.")
+            raise ZeroError(
+                "hpz_partition_size and mics_shard_size both group the devices of "
+                "a node: MiCS already keeps every gather inside the node; use one."
+            )
 
     def _check_offload_options(self):
         for name in ("offload_optimizer", "offload_param"):
             object.__setattr__(self, name, _offload_device(name, getattr(self, name)))
         if self.offload_optimizer == "cpu" and self.stage < 1:
-            raise ZeroError("offload_optimizer needs stage >= 1 (stage 0 keeps a whole optimizer "
-                            "state per device; shard it first, as DeepSpeed requires).")
+            raise ZeroError(
+                "offload_optimizer needs stage >= 1 (stage 0 keeps a whole optimizer "
+                "state per device; shard it first, as DeepSpeed requires)."
+            )
         if self.offload_param == "cpu" and self.stage != 3:
-            raise ZeroError(f"offload_param needs stage 3 (got stage {self.stage}): only stage 3 "
-                            "shards the parameters that it would keep on the host.")
+            raise ZeroError(
+                f"offload_param needs stage 3 (got stage {self.stage}): only stage 3 "
+                "shards the parameters that it would keep on the host."
+            )
         _choice("offload_update", self.offload_update, ("device", "host"))
         if self.offload_update == "host" and self.offload_optimizer != "cpu":
-            raise ZeroError("offload_update='host' runs the update where the offloaded optimizer "
-                            "state lives: set offload_optimizer='cpu' too.")
+            raise ZeroError(
+                "offload_update='host' runs the update where the offloaded optimizer "
+                "state lives: set offload_optimizer='cpu' too."
+            )
         if not isinstance(self.offload_activations, bool):
-            raise ZeroError(f"offload_activations must be True or False "
-                            f"(got {self.offload_activations!r}).")
+            raise ZeroError(
+                f"offload_activations must be True or False (got {self.offload_activations!r})."
+            )
         if self.offload_activations and not self.explicit_collectives:
-            raise ZeroError("offload_activations applies its remat policy around state.apply_fn: "
-                            "it needs explicit_collectives=True.")
+            raise ZeroError(
+                "offload_activations applies its remat policy around state.apply_fn: "
+                "it needs explicit_collectives=True."
+            )
 
     def _check_update_options(self):
         _choice("precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -275,112 +317,170 @@ class ZeroConfig:
         _choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
         _choice("on_nonfinite", self.on_nonfinite, ("off", "skip", "stop"))
         if self.gradient_accumulation_steps != "auto" and (
-                not _is_int(self.gradient_accumulation_steps)
-                or self.gradient_accumulation_steps < 1):
-            raise ZeroError("gradient_accumulation_steps must be an integer >= 1 or 'auto' (got "
-                            f"{self.gradient_accumulation_steps!r}).")
+            not _is_int(self.gradient_accumulation_steps) or self.gradient_accumulation_steps < 1
+        ):
+            raise ZeroError(
+                "gradient_accumulation_steps must be an integer >= 1 or 'auto' (got "
+                f"{self.gradient_accumulation_steps!r})."
+            )
         for name in ("train_batch_size", "micro_batch_size"):
             value = getattr(self, name)
             if value != "auto" and (not _is_int(value) or value < 0):
-                raise ZeroError(f"{name} must be an integer >= 0 (0: not set) or 'auto' "
-                                f"(got {value!r}).")
+                raise ZeroError(
+                    f"{name} must be an integer >= 0 (0: not set) or 'auto' (got {value!r})."
+                )
         if self.accumulate == "local" and self.stage == 3:
-            raise ZeroError("accumulate='local' keeps a full-size gradient buffer per device, "
-                            "which stage 3 exists to avoid: use accumulate='reduced' (or 'auto').")
+            raise ZeroError(
+                "accumulate='local' keeps a full-size gradient buffer per device, "
+                "which stage 3 exists to avoid: use accumulate='reduced' (or 'auto')."
+            )
         if not self.gradient_clipping >= 0:
             raise ZeroError(f"gradient_clipping must be >= 0 (got {self.gradient_clipping!r}).")
         scaling = {f: getattr(self, f) for f in _SCALING}
         if self.precision != "fp16":
             changed = [f for f, v in scaling.items() if v != _SCALING[f]]
             if changed:
-                raise ZeroError(f"{', '.join(changed)} only apply with precision='fp16' (got "
-                                f"precision={self.precision!r}); bf16 and fp32 need no loss scale.")
-        elif not (self.loss_scale >= 0 and self.min_loss_scale > 0 and self.hysteresis >= 1
-                  and self.loss_scale_window >= 1 and self.initial_scale_power >= 0):
-            raise ZeroError("fp16 loss scaling needs loss_scale >= 0, min_loss_scale > 0, "
-                            "hysteresis >= 1, loss_scale_window >= 1, initial_scale_power >= 0.")
+                raise ZeroError(
+                    f"{', '.join(changed)} only apply with precision='fp16' (got "
+                    f"precision={self.precision!r}); bf16 and fp32 need no loss scale."
+                )
+        elif not (
+            self.loss_scale >= 0
+            and self.min_loss_scale > 0
+            and self.hysteresis >= 1
+            and self.loss_scale_window >= 1
+            and self.initial_scale_power >= 0
+        ):
+            raise ZeroError(
+                "fp16 loss scaling needs loss_scale >= 0, min_loss_scale > 0, "
+                "hysteresis >= 1, loss_scale_window >= 1, initial_scale_power >= 0."
+            )
 
-    def for_devices(self, n: int) -> "ZeroConfig":
+    def for_devices(self, n: int) -> ZeroConfig:
         """This config with DeepSpeed's batch arithmetic done for `n` data-parallel devices:
         train_batch_size = micro_batch_size x gradient_accumulation_steps x n. Any two given
         ('auto' or 0 = not given; accumulation 1 counts as given unless 'auto') infer the
         third; a contradiction fails with the numbers."""
-        tb, mb, k = self.train_batch_size, self.micro_batch_size, \
-            self.gradient_accumulation_steps
+        tb, mb, k = self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps
         known = lambda v: v not in (0, "auto")
         if k == "auto":
             if not (known(tb) and known(mb)):
                 k = 1
             elif tb % (mb * n):
-                raise ZeroError(f"train_batch_size {tb} is not train_micro_batch_size_per_gpu "
-                                f"{mb} x {n} devices x a whole number of accumulation steps.")
+                raise ZeroError(
+                    f"train_batch_size {tb} is not train_micro_batch_size_per_gpu "
+                    f"{mb} x {n} devices x a whole number of accumulation steps."
+                )
             else:
                 k = tb // (mb * n)
         if known(tb) and not known(mb):
             if tb % (k * n):
-                raise ZeroError(f"train_batch_size {tb} does not divide into "
-                                f"gradient_accumulation_steps {k} x {n} devices.")
+                raise ZeroError(
+                    f"train_batch_size {tb} does not divide into "
+                    f"gradient_accumulation_steps {k} x {n} devices."
+                )
             mb = tb // (k * n)
         elif known(mb) and not known(tb):
             tb = mb * k * n
         elif known(tb) and known(mb) and tb != mb * k * n:
-            raise ZeroError(f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
-                            f"gradient_accumulation_steps {k} x {n} devices ({mb * k * n}).")
-        return dataclasses.replace(self, gradient_accumulation_steps=k,
-                                   train_batch_size=tb if known(tb) else 0,
-                                   micro_batch_size=mb if known(mb) else 0)
+            raise ZeroError(
+                f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
+                f"gradient_accumulation_steps {k} x {n} devices ({mb * k * n})."
+            )
+        return dataclasses.replace(
+            self,
+            gradient_accumulation_steps=k,
+            train_batch_size=tb if known(tb) else 0,
+            micro_batch_size=mb if known(mb) else 0,
+        )
 
     @property
     def accumulates_locally(self) -> bool:
         """Whether micro-batch gradients stay per device until the optimizer step."""
         return self.gradient_accumulation_steps > 1 and (
-            self.accumulate == "local" or (self.accumulate == "auto" and self.stage < 3))
+            self.accumulate == "local" or (self.accumulate == "auto" and self.stage < 3)
+        )
 
     @property
     def manages_update(self) -> bool:
         """Whether zerojax takes over the update (master weights, scaling, accumulation, clip)."""
-        return (self.precision != "fp32" or self.gradient_accumulation_steps > 1
-                or self.gradient_clipping > 0 or self.offload_update == "host"
-                or self.on_nonfinite != "off")
+        return (
+            self.precision != "fp32"
+            or self.gradient_accumulation_steps > 1
+            or self.gradient_clipping > 0
+            or self.offload_update == "host"
+            or self.on_nonfinite != "off"
+        )
 
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
-    def replace(self, **overrides) -> "ZeroConfig":
+    def replace(self, **overrides) -> ZeroConfig:
         """A copy with `overrides`; an unknown name raises ZeroError naming the nearest one."""
         names = self.option_names()
         for key in overrides:
             if key not in names:
-                raise ZeroError(f"unknown zerojax option {key!r}{nearest(key, names)}; "
-                                  f"options are: {', '.join(names)}.")
+                raise ZeroError(
+                    f"unknown zerojax option {key!r}{nearest(key, names)}; "
+                    f"options are: {', '.join(names)}."
+                )
         return dataclasses.replace(self, **overrides)
 
     @classmethod
-    def from_json(cls, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
-                  ) -> "ZeroConfig":
+    def from_json(
+        cls, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
+    ) -> ZeroConfig:
         """Read a DeepSpeed-style JSON config (a path or an already loaded dict)."""
         from zerojax.deepspeed import options_from_deepspeed
+
         if isinstance(source, Mapping):
             data = dict(source)
         else:
-            path = os.fspath(source)
+            path = config_path(source)
             try:
                 with open(path) as f:
                     data = json.load(f)
-            except FileNotFoundError:
-                raise ZeroError(f"config file {path!r} does not exist.") from None
             except json.JSONDecodeError as e:
                 raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
         return cls(**options_from_deepspeed(data, strict=strict))
+
+
+PRESETS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def presets() -> list[str]:
+    """Names of the DeepSpeed-style presets shipped with zerojax ('zero3_offload', ...)."""
+    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
+
+
+def config_path(source: str | os.PathLike) -> str:
+    """The JSON file `source` names: a path that exists, else a shipped preset by name
+    ('zero3', 'zero3.json' or 'configs/zero3.json' from any directory)."""
+    path = os.fspath(source)
+    if os.path.exists(path):
+        return path
+    name = os.path.basename(path)
+    name = name[:-5] if name.endswith(".json") else name
+    if name in presets():
+        return os.path.join(PRESETS_DIR, name + ".json")
+    raise ZeroError(
+        f"config file {path!r} does not exist and is not a zerojax preset"
+        f"{nearest(name, presets())}; presets: {', '.join(presets())}."
+    )
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_SCALING = {"loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
-            "hysteresis": 2, "min_loss_scale": 1.0}
+_SCALING = {
+    "loss_scale": 0.0,
+    "initial_scale_power": 16,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1.0,
+}
 
 
 _OFFLOAD_KEYS = ("device", "pin_memory")
@@ -393,24 +493,32 @@ def _offload_device(name: str, value) -> str:
     if isinstance(value, Mapping):
         for key in value:
             if key not in _OFFLOAD_KEYS:
-                raise ZeroError(f"{name}: {key!r} is not supported{nearest(key, _OFFLOAD_KEYS)}; "
-                                f"zerojax reads {', '.join(_OFFLOAD_KEYS)} (the others tune "
-                                "DeepSpeed's CPU Adam and NVMe swapper, which zerojax does not use).")
+                raise ZeroError(
+                    f"{name}: {key!r} is not supported{nearest(key, _OFFLOAD_KEYS)}; "
+                    f"zerojax reads {', '.join(_OFFLOAD_KEYS)} (the others tune "
+                    "DeepSpeed's CPU Adam and NVMe swapper, which zerojax does not use)."
+                )
         if value.get("pin_memory", True) is not True:
-            raise ZeroError(f"{name}: pin_memory=false is not supported: zerojax offloads to "
-                            "pinned host memory, which the device can copy asynchronously.")
+            raise ZeroError(
+                f"{name}: pin_memory=false is not supported: zerojax offloads to "
+                "pinned host memory, which the device can copy asynchronously."
+            )
         value = value.get("device", "none")
     if value == "nvme":
-        raise ZeroError(f"{name}: device 'nvme' is not supported (JAX has no NVMe memory "
-                        "kind); use 'cpu' (pinned host memory) or 'none'.")
+        raise ZeroError(
+            f"{name}: device 'nvme' is not supported (JAX has no NVMe memory "
+            "kind); use 'cpu' (pinned host memory) or 'none'."
+        )
     _choice(f"{name} device", value, ("none", "cpu"))
     return value
 
 
 def _choice(name, value, allowed):
     if value not in allowed:
-        raise ZeroError(f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
-                        f"{nearest(str(value), [str(a) for a in allowed])}.")
+        raise ZeroError(
+            f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
+            f"{nearest(str(value), [str(a) for a in allowed])}."
+        )
 
 
 def resolve_config(config=None, **overrides) -> ZeroConfig:
@@ -422,6 +530,8 @@ def resolve_config(config=None, **overrides) -> ZeroConfig:
     elif isinstance(config, (str, os.PathLike, Mapping)):
         base = ZeroConfig.from_json(config)
     else:
-        raise ZeroError("config must be a ZeroConfig, a path to a DeepSpeed JSON file or a "
-                          f"dict; got {type(config).__name__}.")
+        raise ZeroError(
+            "config must be a ZeroConfig, a path to a DeepSpeed JSON file or a "
+            f"dict; got {type(config).__name__}."
+        )
     return base.replace(**overrides) if overrides else base

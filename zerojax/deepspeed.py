@@ -10,19 +10,28 @@ A key DeepSpeed does not have fails, naming its section and the nearest valid ke
 for the batch keys, are inferred by DeepSpeed's batch arithmetic once the device count is known
 (`ZeroConfig.for_devices`); `explain` reports the value chosen.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import warnings
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from zerojax.config import ZeroConfig, ZeroError, nearest
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
 AUTO = "auto"
-DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
-               "half": "fp16", "bf16": "bf16", "bfloat16": "bf16"}
+DTYPE_NAMES = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +39,7 @@ class Key:
     """What one DeepSpeed key does: `kind` (ACTS / IGNORED / ERROR), `why` (for ACTS the
     option it sets; otherwise the reason shown to the user) and, for ACTS, `act(name, value)`
     returning the options it sets."""
+
     kind: str
     why: str
     act: Callable[[str, Any], dict] | None = None
@@ -38,6 +48,7 @@ class Key:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One line of `explain`: a key, what zerojax does with it, and the value it uses."""
+
     key: str
     kind: str
     what: str
@@ -45,15 +56,24 @@ class Row:
 
 # ---- value readers: each names the key it reads in its error ---------------------------------
 def _whole(name, value, low=0) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value != int(value) or value < low:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value != int(value)
+        or value < low
+    ):
         raise ZeroError(f"{name} must be a whole number >= {low}; got {value!r}.")
     return int(value)
 
 
 def _real(name, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not value >= 0:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not value >= 0
+    ):
         raise ZeroError(f"{name} must be a number >= 0; got {value!r}.")
     return float(value)
 
@@ -66,8 +86,10 @@ def _flag(name, value) -> bool:
 
 def _dtype(name, value) -> str:
     if not isinstance(value, str) or value not in DTYPE_NAMES:
-        raise ZeroError(f"{name} must be one of fp32, fp16, bf16; got {value!r}"
-                        f"{nearest(str(value), DTYPE_NAMES)}.")
+        raise ZeroError(
+            f"{name} must be one of fp32, fp16, bf16; got {value!r}"
+            f"{nearest(str(value), DTYPE_NAMES)}."
+        )
     return DTYPE_NAMES[value]
 
 
@@ -77,8 +99,11 @@ def _sets(option: str, read: Callable) -> Callable:
 
 
 def _batch(option: str) -> Key:
-    return Key(ACTS, option, lambda name, value: {
-        option: AUTO if value == AUTO else _whole(name, value, low=1)})
+    return Key(
+        ACTS,
+        option,
+        lambda name, value: {option: AUTO if value == AUTO else _whole(name, value, low=1)},
+    )
 
 
 def _ignored(reason: str) -> Key:
@@ -87,82 +112,125 @@ def _ignored(reason: str) -> Key:
 
 def _off_only(reason: str) -> Key:
     """A feature zerojax lacks: false (or {"enabled": false}) is accepted, on is an error."""
+
     def act(name, value):
         on = value.get("enabled", False) if isinstance(value, Mapping) else value
         if _flag(name, on):
             raise ZeroError(f"{name}: {reason}.")
         return {}
+
     return Key(ACTS, f"only false / disabled: {reason}", act)
 
 
-XLA_COMBINES = ("XLA combines collectives by its own size thresholds (e.g. "
-                "--xla_gpu_all_gather_combine_threshold_bytes)")
+XLA_COMBINES = (
+    "XLA combines collectives by its own size thresholds (e.g. "
+    "--xla_gpu_all_gather_combine_threshold_bytes)"
+)
 FP16 = {
     "loss_scale": Key(ACTS, "loss_scale", _sets("loss_scale", _real)),
     "initial_scale_power": Key(ACTS, "initial_scale_power", _sets("initial_scale_power", _whole)),
-    "loss_scale_window": Key(ACTS, "loss_scale_window",
-                             _sets("loss_scale_window", lambda n, v: _whole(n, v, 1))),
+    "loss_scale_window": Key(
+        ACTS, "loss_scale_window", _sets("loss_scale_window", lambda n, v: _whole(n, v, 1))
+    ),
     "hysteresis": Key(ACTS, "hysteresis", _sets("hysteresis", lambda n, v: _whole(n, v, 1))),
     "min_loss_scale": Key(ACTS, "min_loss_scale", _sets("min_loss_scale", _real)),
-    "consecutive_hysteresis": _off_only("not implemented: zerojax's hysteresis counts all "
-                                        "overflows since the last drop, DeepSpeed's default"),
-    "auto_cast": _ignored("zerojax casts parameters to the compute dtype where the model uses "
-                          "them; inputs keep the dtype you pass"),
+    "consecutive_hysteresis": _off_only(
+        "not implemented: zerojax's hysteresis counts all "
+        "overflows since the last drop, DeepSpeed's default"
+    ),
+    "auto_cast": _ignored(
+        "zerojax casts parameters to the compute dtype where the model uses "
+        "them; inputs keep the dtype you pass"
+    ),
     "fp16_master_weights_and_grads": _off_only("not supported: master weights are fp32"),
 }
-BF16 = {"immediate_grad_update": _ignored("gradients are applied in one XLA program"),
-        "check_grad_overflow": _ignored("bf16 has fp32's range; no overflow check is needed"),
-        "bf16_master_weights_and_grads": _off_only("not supported: master weights are fp32")}
+BF16 = {
+    "immediate_grad_update": _ignored("gradients are applied in one XLA program"),
+    "check_grad_overflow": _ignored("bf16 has fp32's range; no overflow check is needed"),
+    "bf16_master_weights_and_grads": _off_only("not supported: master weights are fp32"),
+}
 OFFLOAD = {
     "device": Key(ACTS, "offload_* device ('cpu' or 'none')"),
     "pin_memory": Key(ACTS, "pinned host memory (only true is supported)"),
-    **{k: _ignored("tunes DeepSpeed's own CPU optimizer / NVMe swapper; zerojax offloads "
-                   "through XLA's host memory copies")
-       for k in ("buffer_count", "buffer_size", "max_in_cpu", "fast_init", "ratio",
-                 "pipeline", "pipeline_read", "pipeline_write")},
-    "nvme_path": Key(ERROR, "NVMe offload is not supported (JAX has no NVMe memory kind); use "
-                     "device 'cpu'"),
+    **{
+        k: _ignored(
+            "tunes DeepSpeed's own CPU optimizer / NVMe swapper; zerojax offloads "
+            "through XLA's host memory copies"
+        )
+        for k in (
+            "buffer_count",
+            "buffer_size",
+            "max_in_cpu",
+            "fast_init",
+            "ratio",
+            "pipeline",
+            "pipeline_read",
+            "pipeline_write",
+        )
+    },
+    "nvme_path": Key(
+        ERROR, "NVMe offload is not supported (JAX has no NVMe memory kind); use device 'cpu'"
+    ),
 }
-_GATHER_ON_SAVE = _ignored("`zerojax checkpoint export` writes consolidated weights from any "
-                           "checkpoint, no gather at save time")
+_GATHER_ON_SAVE = _ignored(
+    "`zerojax checkpoint export` writes consolidated weights from any "
+    "checkpoint, no gather at save time"
+)
 ZERO_OPTIMIZATION = {
     "stage": Key(ACTS, "stage", _sets("stage", _whole)),
     "stage3_param_persistence_threshold": Key(
-        ACTS, "persistence_threshold", _sets("persistence_threshold", _whole)),
-    "stage3_prefetch_bucket_size": Key(ACTS, "prefetch (0 -> 0; otherwise one layer ahead)",
-                                       lambda n, v: {"prefetch": int(_whole(n, v) > 0)}),
+        ACTS, "persistence_threshold", _sets("persistence_threshold", _whole)
+    ),
+    "stage3_prefetch_bucket_size": Key(
+        ACTS,
+        "prefetch (0 -> 0; otherwise one layer ahead)",
+        lambda n, v: {"prefetch": int(_whole(n, v) > 0)},
+    ),
     "offload_optimizer": Key(ACTS, "offload_optimizer"),
     "offload_param": Key(ACTS, "offload_param"),
-    "cpu_offload": Key(ACTS, "offload_optimizer (DeepSpeed's legacy flag)",
-                       lambda n, v: {"offload_optimizer": "cpu" if _flag(n, v) else "none"}),
-    "overlap_comm": _ignored("XLA's latency-hiding scheduler overlaps collectives with compute "
-                             "(zerojax sets it on by default, see zerojax.xla_flags)"),
+    "cpu_offload": Key(
+        ACTS,
+        "offload_optimizer (DeepSpeed's legacy flag)",
+        lambda n, v: {"offload_optimizer": "cpu" if _flag(n, v) else "none"},
+    ),
+    "overlap_comm": _ignored(
+        "XLA's latency-hiding scheduler overlaps collectives with compute "
+        "(zerojax sets it on by default, see zerojax.xla_flags)"
+    ),
     "contiguous_gradients": _ignored("XLA plans gradient buffers itself"),
     "reduce_scatter": _ignored("zerojax always reduce-scatters gradients at stages 2-3"),
     "reduce_bucket_size": _ignored(XLA_COMBINES),
     "allgather_bucket_size": _ignored(XLA_COMBINES),
     "allgather_partitions": _ignored("stages 1-2 always all-gather the updated parameters"),
-    "round_robin_gradients": _ignored("gradient placement is a sharding; there is no "
-                                      "per-rank gradient copy order to balance"),
-    "sub_group_size": _ignored("the optimizer update is one XLA program, not groups of "
-                               "flattened tensors"),
+    "round_robin_gradients": _ignored(
+        "gradient placement is a sharding; there is no per-rank gradient copy order to balance"
+    ),
+    "sub_group_size": _ignored(
+        "the optimizer update is one XLA program, not groups of flattened tensors"
+    ),
     "stage3_model_persistence_threshold": _ignored(
-        "only the per-leaf stage3_param_persistence_threshold applies"),
-    "stage3_max_live_parameters": _ignored("gather_on_use with prefetch bounds gathered "
-                                           "weights to about two layers"),
+        "only the per-leaf stage3_param_persistence_threshold applies"
+    ),
+    "stage3_max_live_parameters": _ignored(
+        "gather_on_use with prefetch bounds gathered weights to about two layers"
+    ),
     "stage3_max_reuse_distance": _ignored("each layer is re-gathered in backward"),
     "stage3_gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
     "stage3_gather_fp16_weights_on_model_save": _GATHER_ON_SAVE,
     "gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
-    "zero_hpz_partition_size": Key(ACTS, "hpz_partition_size",
-                                   _sets("hpz_partition_size", _whole)),
+    "zero_hpz_partition_size": Key(ACTS, "hpz_partition_size", _sets("hpz_partition_size", _whole)),
     "zero_quantized_weights": Key(ACTS, "quantized_weights", _sets("quantized_weights", _flag)),
-    "zero_quantized_gradients": Key(ACTS, "quantized_gradients",
-                                    _sets("quantized_gradients", _flag)),
-    "mics_shard_size": Key(ACTS, "mics_shard_size", lambda n, v: {
-        "mics_shard_size": -1 if v == -1 else _whole(n, v, low=1)}),
+    "zero_quantized_gradients": Key(
+        ACTS, "quantized_gradients", _sets("quantized_gradients", _flag)
+    ),
+    "mics_shard_size": Key(
+        ACTS,
+        "mics_shard_size",
+        lambda n, v: {"mics_shard_size": -1 if v == -1 else _whole(n, v, low=1)},
+    ),
     "mics_hierarchical_params_gather": _ignored(
-        "MiCS gathers stay inside the 'local' axis; XLA picks the algorithm"),
+        "MiCS gathers stay inside the 'local' axis; XLA picks the algorithm"
+    ),
     "ignore_unused_parameters": _ignored("JAX gives unused parameters zero gradients"),
     "elastic_checkpoint": _ignored("zerojax checkpoints restore onto any device count"),
     "load_from_fp32_weights": _ignored("restores always use the fp32 master weights"),
@@ -175,18 +243,19 @@ TOP_LEVEL = {
     "train_batch_size": _batch("train_batch_size"),
     "train_micro_batch_size_per_gpu": _batch("micro_batch_size"),
     "gradient_accumulation_steps": _batch("gradient_accumulation_steps"),
-    "gradient_clipping": Key(ACTS, "gradient_clipping", lambda n, v: {
-        "gradient_clipping": 0.0 if v == AUTO else _real(n, v)}),
-    "communication_data_type": Key(ACTS, "grad_reduce_dtype",
-                                   _sets("grad_reduce_dtype", _dtype)),
+    "gradient_clipping": Key(
+        ACTS,
+        "gradient_clipping",
+        lambda n, v: {"gradient_clipping": 0.0 if v == AUTO else _real(n, v)},
+    ),
+    "communication_data_type": Key(ACTS, "grad_reduce_dtype", _sets("grad_reduce_dtype", _dtype)),
     "data_types": Key(ACTS, "grad_accum_dtype"),
     "wall_clock_breakdown": _ignored("zero.report(...) and the JAX profiler show where time goes"),
     "memory_breakdown": _ignored("zero.report(...) shows memory by category"),
     "steps_per_print": _ignored("your train loop decides what to print"),
     "zero_allow_untested_optimizer": _ignored("every optax optimizer is supported"),
     "prescale_gradients": _ignored("gradients are summed in fp32 by default, then averaged"),
-    "gradient_predivide_factor": _ignored("gradients are summed in fp32 by default, then "
-                                          "averaged"),
+    "gradient_predivide_factor": _ignored("gradients are summed in fp32 by default, then averaged"),
     "optimizer": Key(ERROR, "zerojax takes the optimizer from your optax code (state.tx)"),
     "scheduler": Key(ERROR, "zerojax takes the schedule from your optax code"),
     "amp": _off_only("apex AMP is not supported; use the bf16 or fp16 block"),
@@ -214,13 +283,14 @@ def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
                 continue
             sets = handle(key, name, value) if handle else entry.act(name, value)
             options.update(sets)
-            what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or \
-                ("(its keys: above)" if isinstance(value, Mapping) else "(read with its block)")
+            what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or (
+                "(its keys: above)" if isinstance(value, Mapping) else "(read with its block)"
+            )
             rows.append(Row(name, ACTS, what + (" (from 'auto')" if value == AUTO else "")))
 
     def top(key, name, value):
         if key == "zero_optimization":
-            if isinstance(value, bool):        # legacy form: true means stage 1
+            if isinstance(value, bool):  # legacy form: true means stage 1
                 return {"stage": 1 if value else 0}
             _section(name, value)
             walk(value, ZERO_OPTIMIZATION, name + ".", zero)
@@ -232,8 +302,9 @@ def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
             out = {}
             for sub, v in value.items():
                 if sub != "grad_accum_dtype":
-                    unknown.append(f"unknown DeepSpeed key {name}.{sub!r}"
-                                   f"{nearest(sub, ['grad_accum_dtype'])}")
+                    unknown.append(
+                        f"unknown DeepSpeed key {name}.{sub!r}{nearest(sub, ['grad_accum_dtype'])}"
+                    )
                 else:
                     out["grad_accum_dtype"] = _dtype(f"{name}.{sub}", v)
             return out
@@ -246,16 +317,18 @@ def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
             kept = {k: v for k, v in value.items() if k in ("device", "pin_memory")}
             return {key: kept}
         entry = ZERO_OPTIMIZATION[key]
-        if value == AUTO:                      # HF's "auto": zerojax's default, reported
+        if value == AUTO:  # HF's "auto": zerojax's default, reported
             option = entry.why.split()[0]
-            return {option: getattr(ZeroConfig(), option)} if hasattr(ZeroConfig, option) \
-                else {}
+            return {option: getattr(ZeroConfig(), option)} if hasattr(ZeroConfig, option) else {}
         return entry.act(name, value)
 
     walk(data, TOP_LEVEL, "", top)
-    if "train_batch_size" in options and "micro_batch_size" in options and \
-            "gradient_accumulation_steps" not in options:
-        options["gradient_accumulation_steps"] = AUTO   # DeepSpeed infers it from the two
+    if (
+        "train_batch_size" in options
+        and "micro_batch_size" in options
+        and "gradient_accumulation_steps" not in options
+    ):
+        options["gradient_accumulation_steps"] = AUTO  # DeepSpeed infers it from the two
     return rows, options, unknown
 
 
@@ -291,11 +364,16 @@ def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict
     rows, options, unknown = explain(data)
     if unknown:
         if strict:
-            raise ZeroError("; ".join(unknown) + " (ZeroConfig.from_json(..., strict=False) "
-                            "proceeds without them).")
+            raise ZeroError(
+                "; ".join(unknown) + " (ZeroConfig.from_json(..., strict=False) "
+                "proceeds without them)."
+            )
         warnings.warn("zerojax proceeds WITHOUT these keys: " + "; ".join(unknown), stacklevel=3)
     ignored = [r for r in rows if r.kind == IGNORED]
     if ignored:
-        warnings.warn("zerojax accepts these DeepSpeed keys but they have no effect here:\n" +
-                      "\n".join(f"  {r.key}: {r.what}" for r in ignored), stacklevel=3)
+        warnings.warn(
+            "zerojax accepts these DeepSpeed keys but they have no effect here:\n"
+            + "\n".join(f"  {r.key}: {r.what}" for r in ignored),
+            stacklevel=3,
+        )
     return options

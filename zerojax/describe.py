@@ -7,6 +7,7 @@ MaxText's "sufficiently sharded" check: of the bytes this stage is meant to spli
 state from stage 1, parameters too at stage 3), the fraction that stays whole on every device.
 Above 1% it warns with the largest such leaves; above `tolerance`, if given, it raises.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,13 +32,14 @@ class LeafRow:
     memory: str
     bytes_per_device: int
     total_bytes: int
-    split: bool           # the stage means to split this leaf
-    replicated: bool      # ...and it stays whole on every device
+    split: bool  # the stage means to split this leaf
+    replicated: bool  # ...and it stays whole on every device
 
 
 @dataclasses.dataclass(frozen=True)
 class Description:
     """The rows of `zero.describe` and the replicated fraction; `str()` is the table."""
+
     rows: tuple
     devices: int
     stage: int
@@ -48,23 +50,33 @@ class Description:
         return sum(r.total_bytes for r in self.rows if r.replicated) / split if split else 0.0
 
     def largest_replicated(self, top: int = 5) -> list:
-        return sorted((r for r in self.rows if r.replicated),
-                      key=lambda r: (-r.total_bytes, r.path))[:top]
+        return sorted(
+            (r for r in self.rows if r.replicated), key=lambda r: (-r.total_bytes, r.path)
+        )[:top]
 
     def __str__(self):
         head = ("path", "shape", "dtype", "spec", "memory", "bytes/device")
-        cells = [head] + [(r.path, str(r.shape), r.dtype, r.spec, r.memory,
-                           f"{r.bytes_per_device:,}") for r in self.rows]
+        cells = [head] + [
+            (r.path, str(r.shape), r.dtype, r.spec, r.memory, f"{r.bytes_per_device:,}")
+            for r in self.rows
+        ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-        lines = ["  ".join(c[i].ljust(widths[i]) if i < 5 else c[i].rjust(widths[i])
-                           for i in range(len(head))).rstrip() for c in cells]
+        lines = [
+            "  ".join(
+                c[i].ljust(widths[i]) if i < 5 else c[i].rjust(widths[i]) for i in range(len(head))
+            ).rstrip()
+            for c in cells
+        ]
         lines.insert(1, "-" * len(lines[0]))
         per_device = sum(r.bytes_per_device for r in self.rows)
         total = sum(r.total_bytes for r in self.rows)
-        lines.append(f"total: {per_device:,} bytes per device, {total:,} bytes in all "
-                     f"({self.devices} devices, stage {self.stage})")
-        lines.append(f"replicated: {self.replicated_fraction:.2%} of the bytes stage "
-                     f"{self.stage} splits")
+        lines.append(
+            f"total: {per_device:,} bytes per device, {total:,} bytes in all "
+            f"({self.devices} devices, stage {self.stage})"
+        )
+        lines.append(
+            f"replicated: {self.replicated_fraction:.2%} of the bytes stage {self.stage} splits"
+        )
         for r in self.largest_replicated():
             lines.append(f"  {r.path} {r.shape} {r.total_bytes:,} bytes")
         return "\n".join(lines) + "\n"
@@ -74,33 +86,49 @@ def describe(zero, state, tolerance: float | None = None) -> Description:
     """The `Description` of `state` (arrays or ShapeDtypeStructs, placed or not) under `zero`."""
     shardings = jax.tree_util.tree_leaves(zero.state_shardings(state))
     rows = []
-    for (path, leaf), want in zip(jax.tree_util.tree_flatten_with_path(state)[0], shardings):
+    for (path, leaf), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], shardings, strict=True
+    ):
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
             sharding = want
         shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
         cat = category_of(path)
-        split = bool(shape) and (cat == OPT_STATE and zero.config.stage >= 1
-                                 or cat == PARAMS and zero.config.stage == 3)
+        split = bool(shape) and (
+            cat == OPT_STATE and zero.config.stage >= 1 or cat == PARAMS and zero.config.stage == 3
+        )
         local = sharding.shard_shape(shape)
-        rows.append(LeafRow(
-            path=path_str(path), shape=shape, dtype=str(dtype),
-            spec=_spec_text(sharding.spec), memory=sharding.memory_kind or "device",
-            bytes_per_device=math.prod(local) * dtype.itemsize,
-            total_bytes=math.prod(shape) * dtype.itemsize, split=split,
-            replicated=split and local == shape))
+        rows.append(
+            LeafRow(
+                path=path_str(path),
+                shape=shape,
+                dtype=str(dtype),
+                spec=_spec_text(sharding.spec),
+                memory=sharding.memory_kind or "device",
+                bytes_per_device=math.prod(local) * dtype.itemsize,
+                total_bytes=math.prod(shape) * dtype.itemsize,
+                split=split,
+                replicated=split and local == shape,
+            )
+        )
     out = Description(tuple(rows), zero.mesh.size, zero.config.stage)
     fraction = out.replicated_fraction
-    names = ", ".join(f"{r.path} {r.shape} ({r.total_bytes:,} bytes)"
-                      for r in out.largest_replicated())
+    names = ", ".join(
+        f"{r.path} {r.shape} ({r.total_bytes:,} bytes)" for r in out.largest_replicated()
+    )
     if tolerance is not None and fraction > tolerance:
-        raise ZeroError(f"{fraction:.2%} of the bytes stage {zero.config.stage} should split "
-                        f"stay replicated (tolerance {tolerance:.2%}); largest: {names}. Lower "
-                        "persistence_threshold, add a rule naming a dimension, or pad shapes "
-                        "to a multiple of the device count.")
+        raise ZeroError(
+            f"{fraction:.2%} of the bytes stage {zero.config.stage} should split "
+            f"stay replicated (tolerance {tolerance:.2%}); largest: {names}. Lower "
+            "persistence_threshold, add a rule naming a dimension, or pad shapes "
+            "to a multiple of the device count."
+        )
     if fraction > WARN_FRACTION:
-        warnings.warn(f"zerojax: {fraction:.2%} of the bytes stage {zero.config.stage} should "
-                      f"split stay replicated on every device; largest: {names}.", stacklevel=3)
+        warnings.warn(
+            f"zerojax: {fraction:.2%} of the bytes stage {zero.config.stage} should "
+            f"split stay replicated on every device; largest: {names}.",
+            stacklevel=3,
+        )
     return out
 
 

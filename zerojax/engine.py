@@ -1,32 +1,41 @@
 """`zero_shard`: one object that places a train state by the ZeRO rules and jits the step.
 
-    zero = zero_shard(stage=3)
-    state = zero.init(init_fn, key)      # born sharded
-    @zero
-    def train_step(state, batch): ...    # unchanged single-device step
+zero = zero_shard(stage=3)
+state = zero.init(init_fn, key)      # born sharded
+@zero
+def train_step(state, batch): ...    # unchanged single-device step
 """
+
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax.config import ZeroError, ZeroConfig, resolve_config
 from zerojax.comm.hierarchy import comm_for
+from zerojax.config import ZeroConfig, ZeroError, resolve_config
 from zerojax.flax.annotations import read_linen_boxes
-from zerojax.flax.nnx import (NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building,
-                              nnx_state)
+from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building, nnx_state
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
-from zerojax.rules import DEVICE, plan_state, path_str
+from zerojax.rules import DEVICE, LeafPlan, path_str, plan_state
 from zerojax.step import ZeroStep
 
+if TYPE_CHECKING:
+    from zerojax.describe import Description
+    from zerojax.report import Report
 
-def zero_shard(stage: int | None = None, *, mesh=None, config=None, **options) -> "ZeroShard":
+PyTree = Any  # a train state, batch or any nest of arrays
+
+
+def zero_shard(stage: int | None = None, *, mesh=None, config=None, **options) -> ZeroShard:
     """A ZeroShard from `config` (ZeroConfig, DeepSpeed JSON path or dict) with keyword options
     (`stage` included) overriding it; `mesh` defaults to all devices on the config's axis."""
     if stage is not None:
@@ -39,37 +48,43 @@ class ZeroShard:
 
     def __init__(self, config: ZeroConfig, mesh=None):
         self.mesh = default_mesh(config) if mesh is None else mesh
-        self.comm = comm_for(self.mesh, config)      # which axes each collective runs over
-        self.axis_size = self.comm.data_size         # devices that split the batch
-        self.shard_size = self.comm.shard_size       # devices that split the state
+        self.comm = comm_for(self.mesh, config)  # which axes each collective runs over
+        self.axis_size = self.comm.data_size  # devices that split the batch
+        self.shard_size = self.comm.shard_size  # devices that split the state
         # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
         self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
-        self.tensor = {}    # parameter path -> TensorSpec the model declares (read by `adopt`)
+        self.tensor: dict = {}  # parameter path -> TensorSpec the model declares (read by `adopt`)
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
 
     # ---- placement -------------------------------------------------------------------------
-    def plan(self, state):
+    def plan(self, state: PyTree) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape."""
         return plan_state(state, self.config, self.shard_size, self.tensor)[1]
 
-    def state_shardings(self, state):
+    def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives."""
         specs, plans = plan_state(state, self.config, self.shard_size, self.tensor)
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
-        return jax.tree_util.tree_unflatten(treedef, [
-            NamedSharding(self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
-            for p in plans])
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [
+                NamedSharding(
+                    self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory
+                )
+                for p in plans
+            ],
+        )
 
-    def adopt(self, state):
+    def adopt(self, state: PyTree) -> PyTree:
         """`state` without the model's partitioning boxes (`nn.with_logical_partitioning`...),
         whose tensor-parallel layouts this zero remembers for its rules."""
         state, layouts = read_linen_boxes(state, self.mesh, self.config)
         self.tensor.update(layouts)
         return state
 
-    def manage(self, state):
+    def manage(self, state: PyTree) -> PyTree:
         """`state` as this config trains it: with precision, accumulation or clipping on, 16-bit
         params plus a `ZeroOptState` (master weights, buffers); otherwise unchanged."""
         state = self.adopt(state)
@@ -77,7 +92,7 @@ class ZeroShard:
             return state
         return prepare_state(state, self.config, self.axis_size)
 
-    def shard(self, state):
+    def shard(self, state: PyTree) -> PyTree:
         """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
         objects (one, or a tuple) come back as new objects holding the placed state."""
         objects = None
@@ -88,12 +103,12 @@ class ZeroShard:
         self._check_logical_rules_used()
         return placed if objects is None else objects(placed)
 
-    def init(self, init_fn, *args, **kwargs):
+    def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        objects = []          # NNX: how to turn the placed state back into objects
+        objects = []  # NNX: how to turn the placed state back into objects
 
-        def make(*a, **k):    # traced once: init_fn may build a new model object per call
+        def make(*a, **k):  # traced once: init_fn may build a new model object per call
             with nnx_building():
                 state = init_fn(*a, **k)
             if is_nnx(state):
@@ -101,15 +116,19 @@ class ZeroShard:
                 objects.append(back)
             state = jax.tree_util.tree_map(jnp.asarray, self.manage(state))
             return to_storage(state, self.state_shardings(state))
+
         state = jax.jit(make)(*args, **kwargs)
         self._check_logical_rules_used()
         return objects[0](state) if objects else state
 
     def _check_logical_rules_used(self):
         if self.config.logical_rules and not self.tensor:
-            warnings.warn("zerojax: logical_rules has nothing to map: the model declares no "
-                          "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
-                          "so only ZeRO's axis splits the state.", stacklevel=3)
+            warnings.warn(
+                "zerojax: logical_rules has nothing to map: the model declares no "
+                "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
+                "so only ZeRO's axis splits the state.",
+                stacklevel=3,
+            )
 
     def _adopt_nnx(self, out):
         """(the dict state of the NNX objects `out`, a function making objects like `out` from
@@ -121,28 +140,35 @@ class ZeroShard:
         self.tensor.update(layout.tensor_specs(self.mesh, self.config))
         return layout.state, lambda state: shape_back(layout.merge(state))
 
-    def eval_shape(self, init_fn, *args, **kwargs):
+    def eval_shape(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
         compile and report a step for a model too large to allocate (nothing is allocated)."""
         make = lambda *a, **k: self.manage(init_fn(*a, **k))
         abstract = jax.eval_shape(make, *args, **kwargs)
         return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-            self.state_shardings(abstract))
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            abstract,
+            self.state_shardings(abstract),
+        )
 
     def batch_sharding(self, leaf) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
 
-    def place_batch(self, batch):
+    def place_batch(self, batch: PyTree) -> PyTree:
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
         multi-process run each process passes its own slice of the global batch."""
         multiprocess = jax.process_count() > 1
-        leading = {path_str(p) or "(root)": np.shape(x)[0]
-                   for p, x in jax.tree_util.tree_flatten_with_path(batch)[0] if np.ndim(x)}
+        leading = {
+            path_str(p) or "(root)": np.shape(x)[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if np.ndim(x)
+        }
         if len(set(leading.values())) > 1:
-            raise ZeroError(f"batch leaves have different leading dimensions ({leading}): "
-                            "zerojax splits every batch leaf on its first dimension, so all "
-                            "need the batch first and the same number of rows.")
+            raise ZeroError(
+                f"batch leaves have different leading dimensions ({leading}): "
+                "zerojax splits every batch leaf on its first dimension, so all "
+                "need the batch first and the same number of rows."
+            )
 
         def place(path, leaf):
             if not hasattr(leaf, "shape"):
@@ -150,26 +176,32 @@ class ZeroShard:
             sharding = self.batch_sharding(leaf)
             if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
                 return leaf
-            abstract = isinstance(leaf, jax.ShapeDtypeStruct)   # always the global batch
-            rows = np.shape(leaf)[0] * (jax.process_count() if multiprocess and not abstract
-                                        else 1) if np.ndim(leaf) else 0
+            abstract = isinstance(leaf, jax.ShapeDtypeStruct)  # always the global batch
+            rows = (
+                np.shape(leaf)[0] * (jax.process_count() if multiprocess and not abstract else 1)
+                if np.ndim(leaf)
+                else 0
+            )
             micro = self.config.micro_batch_size
             if micro and np.ndim(leaf) and rows != micro * self.axis_size:
                 raise ZeroError(
                     f"batch leaf {path_str(path) or '(root)'} has {rows} rows, but the config "
                     f"says train_micro_batch_size_per_gpu {micro} x {self.axis_size} devices = "
-                    f"{micro * self.axis_size} per call of the step.")
+                    f"{micro * self.axis_size} per call of the step."
+                )
             if rows % self.axis_size:
                 raise ZeroError(
                     f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
                     f"{np.shape(leaf)}), which does not divide by the {self.axis_size} devices "
                     f"of axes {self.comm.data_axis!r}: use a global batch that is a multiple of "
-                    f"{self.axis_size}.")
+                    f"{self.axis_size}."
+                )
             if abstract:
                 return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
             if multiprocess and np.ndim(leaf):
                 return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
             return jax.device_put(leaf, sharding)
+
         return jax.tree_util.tree_map_with_path(place, batch)
 
     # ---- the step --------------------------------------------------------------------------
@@ -177,25 +209,32 @@ class ZeroShard:
         """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
         return ZeroStep(self, step_fn)
 
-    def load_safetensors(self, state, path: str, *, names=None, transpose=None):
+    def load_safetensors(self, state: PyTree, path: str, *, names=None, transpose=None) -> PyTree:
         """`state` with its parameters read from a Hugging Face style safetensors file, each
         device reading only its own slice (see zerojax.interop)."""
         from zerojax.interop import load_safetensors
+
         return load_safetensors(self, state, path, names=names, transpose=transpose)
 
-    def describe(self, state, *, tolerance: float | None = None, show: bool = True):
+    def describe(
+        self, state: PyTree, *, tolerance: float | None = None, show: bool = True
+    ) -> Description:
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
         bytes per device. Warns when over 1% of the bytes this stage splits stay replicated,
         raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
+
         out = describe(self, nnx_state(state) if is_nnx(state) else state, tolerance)
         if show:
             print(out, end="")
         return out
 
-    def report(self, step, state, batch, *extra, dump_to: str | None = None):
+    def report(
+        self, step: ZeroStep, state: PyTree, batch: PyTree, *extra, dump_to: str | None = None
+    ) -> Report:
         """Compiled memory and communication of `step` on these inputs (see zerojax.report);
         `dump_to`, a path prefix, also writes the partitioned and optimized HLO."""
         from zerojax.report import build_report
+
         return build_report(self, step, state, batch, *extra, dump_to=dump_to)

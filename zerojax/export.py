@@ -7,6 +7,7 @@ header is computed from the checkpoint's metadata first, then each leaf is read 
 disk (no devices, no mesh), converted and appended, so host memory stays near the largest
 leaf, not the model. `info` says what a checkpoint directory holds.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def _manager(directory):
     if not os.path.isdir(directory):
         raise ZeroError(f"{directory} is not a directory.")
-    return orbax_manager(os.path.abspath(directory),
-                         ocp.CheckpointManagerOptions(create=False, save_interval_steps=0))
+    return orbax_manager(
+        os.path.abspath(directory),
+        ocp.CheckpointManagerOptions(create=False, save_interval_steps=0),
+    )
 
 
 def _leaves(tree, prefix=()):
@@ -56,14 +59,24 @@ def info(directory, step: int | None = None) -> dict:
     leaves = []
     for keys, meta in _leaves(tree):
         sharding = getattr(meta, "sharding", None)
-        leaves.append({"path": "/".join(keys), "shape": list(meta.shape),
-                       "dtype": str(np.dtype(meta.dtype)),
-                       "bytes": int(np.prod(meta.shape)) * np.dtype(meta.dtype).itemsize,
-                       "saved_sharding": str(getattr(sharding, "partition_spec", sharding))})
+        leaves.append(
+            {
+                "path": "/".join(keys),
+                "shape": list(meta.shape),
+                "dtype": str(np.dtype(meta.dtype)),
+                "bytes": int(np.prod(meta.shape)) * np.dtype(meta.dtype).itemsize,
+                "saved_sharding": str(getattr(sharding, "partition_spec", sharding)),
+            }
+        )
     extra = mgr.restore(step, args=ocp.args.Composite(extra=ocp.args.JsonRestore()))["extra"]
-    return {"directory": os.path.abspath(directory), "steps": list(mgr.all_steps()),
-            "step": step, "extra": dict(extra or {}), "leaves": leaves,
-            "total_bytes": sum(x["bytes"] for x in leaves)}
+    return {
+        "directory": os.path.abspath(directory),
+        "steps": list(mgr.all_steps()),
+        "step": step,
+        "extra": dict(extra or {}),
+        "leaves": leaves,
+        "total_bytes": sum(x["bytes"] for x in leaves),
+    }
 
 
 def _read_leaf(path, keys, meta, dtype):
@@ -71,11 +84,16 @@ def _read_leaf(path, keys, meta, dtype):
     item = restore_args = None
     for k in reversed(keys):
         item = {k: item if item is not None else np.zeros((), np.float32)}
-        restore_args = {k: restore_args if restore_args is not None else
-                        ocp.RestoreArgs(restore_type=np.ndarray)}
+        restore_args = {
+            k: restore_args
+            if restore_args is not None
+            else ocp.RestoreArgs(restore_type=np.ndarray)
+        }
     with ocp.PyTreeCheckpointer() as ckptr:
-        out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args, partial_restore=True))
+        out = ckptr.restore(
+            path,
+            args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+        )
     for k in keys:
         out = out[k]
     return np.ascontiguousarray(np.asarray(out).astype(dtype, copy=False))
@@ -94,28 +112,36 @@ def export(directory, out: str, step: int | None = None, dtype: str = "fp32") ->
     params = _leaves(tree["params"])
     np_dtype = np.dtype(getattr(jnp, EXPORT_DTYPES[dtype]))
     path = os.path.join(mgr.directory, str(step), "state")
-    tmp = out + ".partial"                     # never leave a half-written file under `out`
+    tmp = out + ".partial"  # never leave a half-written file under `out`
     with open(tmp, "wb") as f:
         if out.endswith(".safetensors"):
             _write_safetensors(f, params, path, np_dtype, step)
         else:
             _write_msgpack(f, params, path, np_dtype)
     os.replace(tmp, out)
-    return {"step": step, "leaves": len(params), "dtype": dtype, "out": out,
-            "bytes": os.path.getsize(out)}
+    return {
+        "step": step,
+        "leaves": len(params),
+        "dtype": dtype,
+        "out": out,
+        "bytes": os.path.getsize(out),
+    }
 
 
 def _write_safetensors(f, params, path, dtype, step):
     header, offset = {"__metadata__": {"format": "flax", "zerojax_step": str(step)}}, 0
     for keys, meta in params:
         n = int(np.prod(meta.shape)) * dtype.itemsize
-        header[".".join(keys)] = {"dtype": SAFETENSORS_DTYPES[dtype.name],
-                                  "shape": list(meta.shape), "data_offsets": [offset, offset + n]}
+        header[".".join(keys)] = {
+            "dtype": SAFETENSORS_DTYPES[dtype.name],
+            "shape": list(meta.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)            # the data starts 8-byte aligned
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     f.write(struct.pack("<Q", len(text)) + text)
-    for keys, meta in params:        # written from the array's own buffer: no extra copy
+    for keys, meta in params:  # written from the array's own buffer: no extra copy
         f.write(_read_leaf(path, ("params", *keys), meta, dtype).reshape(-1).view(np.uint8).data)
 
 
@@ -131,4 +157,5 @@ def _write_msgpack(f, params, path, dtype):
                 write(node[k], prefix + (k,))
             else:
                 f.write(packer.pack(_read_leaf(path, ("params", *prefix, k), node[k], dtype)))
+
     write(nest(params), ())

@@ -9,6 +9,7 @@ global view, so any optax transformation, global-norm clipping included, sees ex
 single-device numbers. With fp16, the cotangent entering the model is multiplied by the loss
 scale and the parameter gradients are divided by it (in fp32) as they leave.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,10 +19,10 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.hierarchy import Comm
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
-from zerojax.flax.gather import GatherContext, gather_context
+from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, key_name, path_str, split_spec, variables_specs
@@ -39,7 +40,7 @@ def _with_values(flat: list, positions: list, values, tree):
     """(args, kwargs) from flattened call arguments with the array leaves at `positions`
     replaced by `values` (traced per-device or abstract stand-ins)."""
     local = list(flat)
-    for i, v in zip(positions, values):
+    for i, v in zip(positions, values, strict=True):
         local[i] = v
     return jax.tree_util.tree_unflatten(tree, local)
 
@@ -47,12 +48,15 @@ def _with_values(flat: list, positions: list, values, tree):
 def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
     """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
     dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
-    return tuple(dtype if path and key_name(path[0]) == PARAMS else None
-                 for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0])
+    return tuple(
+        dtype if path and key_name(path[0]) == PARAMS else None
+        for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]
+    )
 
 
-def hooked_apply_fn(apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set, calls: list,
-                    scale=None):
+def hooked_apply_fn(
+    apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set, calls: list, scale=None
+):
     """`apply_fn` with explicit collectives over `comm`'s axes; `batch_rows` holds the global
     batch sizes (leading dims of the step's batch leaves), each call appends to `calls`, and
     `scale` is the fp16 loss scale (None without loss scaling)."""
@@ -69,50 +73,77 @@ def hooked_apply_fn(apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set
         flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n_shard)))
-        grads = tuple(jax.tree_util.tree_leaves(
-            jax.tree_util.tree_map_with_path(grad_spec, variables)))
+        grads = tuple(
+            jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(grad_spec, variables))
+        )
         # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
-        claimed = _claimed(apply_fn, variables, args, kwargs, flat_vars) if cfg.stage == 3 \
+        claimed = (
+            _claimed(apply_fn, variables, args, kwargs, flat_vars)
+            if cfg.stage == 3
             else [False] * len(leaves)
+        )
         if comm.secondary and not any(claimed):
-            warnings.warn("zerojax: hpz_partition_size has nothing to do: the model has no "
-                          "zj.flax.gather_on_use modules, so its parameters are gathered once "
-                          "per step and kept for backward (no backward gather to keep inside "
-                          "the node). Wrap its layers with gather_on_use.", stacklevel=2)
+            warnings.warn(
+                "zerojax: hpz_partition_size has nothing to do: the model has no "
+                "zj.flax.gather_on_use modules, so its parameters are gathered once "
+                "per step and kept for backward (no backward gather to keep inside "
+                "the node). Wrap its layers with gather_on_use.",
+                stacklevel=2,
+            )
         whole = [i for i, c in enumerate(claimed) if not c]
         compute = _compute_dtypes(variables, cfg)
-        copies = device_copies(tuple(leaves[i] for i in whole), scale,
-                               tuple(store[i] for i in whole), tuple(grads[i] for i in whole),
-                               mesh, comm, (tuple(compute[i] for i in whole), dtypes_reduce,
-                                            tuple(leaves[i].dtype for i in whole)))
+        copies = device_copies(
+            tuple(leaves[i] for i in whole),
+            scale,
+            tuple(store[i] for i in whole),
+            tuple(grads[i] for i in whole),
+            mesh,
+            comm,
+            (
+                tuple(compute[i] for i in whole),
+                dtypes_reduce,
+                tuple(leaves[i].dtype for i in whole),
+            ),
+        )
         shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
         gather_ctx = GatherContext(
-            comm=comm, compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
-            reduce_dtype=dtypes_reduce, prefetch=cfg.prefetch,
+            comm=comm,
+            compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
+            reduce_dtype=dtypes_reduce,
+            prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
-            split_dims={path_str(p[1:]): split_dim(sp, axis) for (p, _), sp in
-                        zip(flat_vars, store) if key_name(p[0]) == PARAMS},
-            stored_ndim={path_str(p[1:]): np.ndim(x) for p, x in flat_vars
-                         if key_name(p[0]) == PARAMS})
+            split_dims={
+                path_str(p[1:]): split_dim(sp, axis)
+                for (p, _), sp in zip(flat_vars, store, strict=True)
+                if key_name(p[0]) == PARAMS
+            },
+            stored_ndim={
+                path_str(p[1:]): np.ndim(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
+            },
+        )
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
         batch_spec = P(comm.data_axis)
-        in_specs = tuple(batch_spec if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows
-                         else P() for i in dynamic)
+        in_specs = tuple(
+            batch_spec if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows else P()
+            for i in dynamic
+        )
         if not any(spec == batch_spec for spec in in_specs):
             raise ApplyHookError(
                 "zerojax: no argument of state.apply_fn has the batch's leading dimension "
                 f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
-                "arrays with the batch first, or use zero_shard(..., explicit_collectives=False).")
+                "arrays with the batch first, or use zero_shard(..., explicit_collectives=False)."
+            )
 
         model = _model(apply_fn, flat, dynamic, in_tree, cfg)
 
         def body(copies, shards, values, scale):
             copies, shards = iter(copies), iter(shards)
             variables_local = jax.tree_util.tree_unflatten(
-                var_tree, [next(shards) if c else next(copies)[0] for c in claimed])
-            if cfg.stage == 3:   # the scale enters as an argument: no outer tracer in the layers
+                var_tree, [next(shards) if c else next(copies)[0] for c in claimed]
+            )
+            if cfg.stage == 3:  # the scale enters as an argument: no outer tracer in the layers
                 with gather_context(dataclasses.replace(gather_ctx, scale=scale)):
                     out = model(variables_local, values)
             else:
@@ -121,30 +152,39 @@ def hooked_apply_fn(apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set
             return out
 
         shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
-        out = jax.shard_map(body, mesh=mesh,
-                            in_specs=(tuple(batch_spec for _ in whole), shard_specs, in_specs,
-                                      P()),
-                            out_specs=batch_spec)(copies, shards, tuple(flat[i] for i in dynamic),
-                                               scale)
+        out = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(tuple(batch_spec for _ in whole), shard_specs, in_specs, P()),
+            out_specs=batch_spec,
+        )(copies, shards, tuple(flat[i] for i in dynamic), scale)
         return out if scale is None else scale_cotangent(out, scale)
+
     return apply
 
 
 def _model(apply_fn, flat: list, positions: list, tree, cfg: ZeroConfig):
     """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
     over, rematerialised with the activation-offload policy when offload_activations is on."""
+
     def model(variables, values):
         args, kwargs = _with_values(flat, positions, values, tree)
         return apply_fn(variables, *args, **kwargs)
-    return jax.checkpoint(model, policy=activation_policy()) if cfg.offload_activations \
-        else model
+
+    return jax.checkpoint(model, policy=activation_policy()) if cfg.offload_activations else model
 
 
 def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
     """Per variable leaf: is it a parameter of a `gather_on_use` module? (An abstract trace
     of the model records which modules gather.)"""
-    ctx = GatherContext(comm=None, split_dims={}, stored_ndim={}, compute_dtype=None,
-                        reduce_dtype=None, discover=True)
+    ctx = GatherContext(
+        comm=None,
+        split_dims={},
+        stored_ndim={},
+        compute_dtype=None,
+        reduce_dtype=None,
+        discover=True,
+    )
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]
 
@@ -154,27 +194,31 @@ def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
 
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
     with gather_context(ctx):
-        jax.eval_shape(run, jax.tree_util.tree_map(shape, variables),
-                       [shape(flat[i]) for i in arrays])
+        jax.eval_shape(
+            run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
+        )
     prefixes = tuple(c + "/" for c in ctx.claimed)
-    return [key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes)
-            for p, _ in flat_vars]
+    return [key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes) for p, _ in flat_vars]
 
 
 def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
     """`apply_fn` for steps that already run per device: compute-dtype casts and loss scaling,
     no collectives (the step reduces the gradients itself)."""
+
     def apply(variables, *args, **kwargs):
         calls.append(True)
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
-        copies = compute_copies(tuple(leaves), scale, (_compute_dtypes(variables, cfg),
-                                                       tuple(x.dtype for x in leaves)))
+        copies = compute_copies(
+            tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))
+        )
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
         model = _model(apply_fn, flat, dynamic, in_tree, cfg)
-        out = model(jax.tree_util.tree_unflatten(var_tree, list(copies)),
-                    tuple(flat[i] for i in dynamic))
+        out = model(
+            jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)
+        )
         return out if scale is None else scale_cotangent(out, scale)
+
     return apply
 
 
@@ -186,4 +230,5 @@ def _check_outputs(out, local_rows: set):
                 f"with shape {np.shape(leaf)}, whose leading dimension is not the per-device "
                 f"batch {sorted(local_rows)}; explicit collectives need every output to be "
                 "per-example. Return per-example outputs (reduce them in the loss), or use "
-                "zero_shard(..., explicit_collectives=False).")
+                "zero_shard(..., explicit_collectives=False)."
+            )

@@ -4,10 +4,11 @@ Axes are created with `AxisType.Auto` on purpose: XLA's partitioner then propaga
 through an unchanged model (with `Explicit` axes, which `jax.make_mesh` defaults to, Flax
 embedding lookups need explicit output shardings), and zerojax places its own collectives.
 """
+
 from __future__ import annotations
 
-import numpy as np
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from zerojax.config import ZeroError
@@ -24,8 +25,9 @@ def make_mesh(devices=None, axis: str = "data", *, local: int | None = None) -> 
     if local is None:
         return Mesh(np.array(devices), (axis,), axis_types=(AxisType.Auto,))
     if not isinstance(local, int) or local < 1 or len(devices) % local:
-        raise ZeroError(f"make_mesh(local={local!r}): the group size must divide the "
-                        f"{len(devices)} devices.")
+        raise ZeroError(
+            f"make_mesh(local={local!r}): the group size must divide the {len(devices)} devices."
+        )
     devices.sort(key=lambda d: (d.process_index, d.id))
     grid = np.array(devices).reshape(len(devices) // local, local)
     return Mesh(grid, ("node", "local"), axis_types=(AxisType.Auto, AxisType.Auto))

@@ -7,6 +7,7 @@ final sharding constraint writes the new values back to the host, so XLA schedul
 host (`compute_on('device_host')`), and only the gradients travel there. Activation offload is
 a remat policy around the model: matmul outputs saved for backward go to pinned host memory.
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,17 +33,20 @@ def _put(x, sharding, kind: str):
 def to_device(state, shardings, keep=None):
     """Offloaded leaves of `state` brought to device memory for the step; `keep` (a predicate on
     leaf paths) names leaves that stay on the host (the host update's optimizer state)."""
+
     def move(path, x, s):
         if s.memory_kind != HOST or (keep is not None and keep(path)):
             return x
         return _put(x, s, DEVICE)
+
     return jax.tree_util.tree_map_with_path(move, state, shardings)
 
 
 def to_storage(state, shardings):
     """`state` placed as it rests between steps: each leaf in its storage sharding and memory."""
-    return jax.tree_util.tree_map(lambda x, s: _put(x, s, s.memory_kind or DEVICE),
-                                  state, shardings)
+    return jax.tree_util.tree_map(
+        lambda x, s: _put(x, s, s.memory_kind or DEVICE), state, shardings
+    )
 
 
 def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
@@ -53,14 +57,16 @@ def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
     Only the optax step runs there: JAX (0.10) types memory spaces, and arrays an op creates
     inside a host computation (zeros, constants) are typed device, so general code such as the
     gradient norm fails there; the norm, clipping and loss scaling stay on the device."""
-    args = jax.tree_util.tree_map(lambda x, s: _put(x, s, HOST), (master, inner, grads, finite),
-                                  shardings)
+    args = jax.tree_util.tree_map(
+        lambda x, s: _put(x, s, HOST), (master, inner, grads, finite), shardings
+    )
 
     @compute_on("device_host")
     @jax.jit
     def run(master, inner, grads, finite):
         new = update(master, inner, grads)
         return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, (master, inner))
+
     return run(*args)
 
 

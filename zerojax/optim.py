@@ -9,6 +9,7 @@ place of the user's `tx`. Inside a zerojax step, the user's unchanged
 the step; the step then calls `apply_update`, which runs the user's optimizer in fp32 on the
 master weights, in XLA's global view (so clipping and factored optimizers see whole tensors).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,17 +27,18 @@ DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 
 class ZeroOptState(NamedTuple):
     """Optimizer-side state of a managed train state (all of it checkpointed with the state)."""
-    inner: Any                 # the user's optax state, on fp32 master shapes
-    master: Any                # fp32 master weights; () when parameters are fp32 already
-    accum: Any                 # 'reduced' accumulation: summed gradients in parameter layout
-    per_device: Any            # 'local' accumulation: (devices, *shape) unreduced sums per leaf
-    micro: jax.Array           # int32: micro-batches accumulated since the last update
-    scale: jax.Array           # f32: loss scale (1 unless fp16)
-    good_steps: jax.Array      # int32: steps since the last overflow (scale growth window)
-    hysteresis: jax.Array      # int32: overflows left before the scale drops
-    skipped: jax.Array         # int32: optimizer steps skipped because of overflow
-    last_skipped: jax.Array    # bool: the last optimizer step was skipped
-    grad_norm: jax.Array       # f32: global norm of the last applied mean gradient, unclipped
+
+    inner: Any  # the user's optax state, on fp32 master shapes
+    master: Any  # fp32 master weights; () when parameters are fp32 already
+    accum: Any  # 'reduced' accumulation: summed gradients in parameter layout
+    per_device: Any  # 'local' accumulation: (devices, *shape) unreduced sums per leaf
+    micro: jax.Array  # int32: micro-batches accumulated since the last update
+    scale: jax.Array  # f32: loss scale (1 unless fp16)
+    good_steps: jax.Array  # int32: steps since the last overflow (scale growth window)
+    hysteresis: jax.Array  # int32: overflows left before the scale drops
+    skipped: jax.Array  # int32: optimizer steps skipped because of overflow
+    last_skipped: jax.Array  # bool: the last optimizer step was skipped
+    grad_norm: jax.Array  # f32: global norm of the last applied mean gradient, unclipped
     overflow_at_min_scale: jax.Array  # bool: overflowed with the scale already at its minimum
 
 
@@ -68,14 +70,18 @@ class ZeroTx:
         return hash((ZeroTx, self.inner))
 
     def init(self, params):
-        raise ZeroError("this state's optimizer is managed by zerojax: create states with "
-                        "zero.init(...) or zero.shard(state), not tx.init.")
+        raise ZeroError(
+            "this state's optimizer is managed by zerojax: create states with "
+            "zero.init(...) or zero.shard(state), not tx.init."
+        )
 
     def update(self, grads, state, params=None, **extra_args):
         sink = _GRAD_SINK.get()
         if sink is None:
-            raise ZeroError("apply_gradients on a zerojax-managed state only works inside a "
-                            "step decorated with its zero_shard.")
+            raise ZeroError(
+                "apply_gradients on a zerojax-managed state only works inside a "
+                "step decorated with its zero_shard."
+            )
         sink.append(grads)
         return jax.tree_util.tree_map(jnp.zeros_like, grads), state
 
@@ -98,37 +104,53 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     if isinstance(getattr(state, "opt_state", None), ZeroOptState):
         return state
     if not all(hasattr(state, f) for f in ("params", "opt_state", "tx", "replace")):
-        raise ZeroError("precision, gradient accumulation and clipping need a state with "
-                        "`params`, `opt_state` and `tx` (a flax TrainState); got "
-                        f"{type(state).__name__}.")
+        raise ZeroError(
+            "precision, gradient accumulation and clipping need a state with "
+            "`params`, `opt_state` and `tx` (a flax TrainState); got "
+            f"{type(state).__name__}."
+        )
     params32 = cast_floating(state.params, jnp.float32)
     k, accum_dtype = cfg.gradient_accumulation_steps, DTYPES[cfg.grad_accum_dtype]
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
-        lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32)
+        lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
+    )
     local = cfg.accumulates_locally
     opt = ZeroOptState(
         inner=state.opt_state,
         master=params32 if cfg.precision != "fp32" else (),
         accum=zeros(()) if k > 1 and not local else (),
         per_device=zeros((axis_size,)) if local else (),
-        micro=jnp.zeros((), jnp.int32), **initial_scaler(cfg))
-    return state.replace(params=cast_floating(state.params, DTYPES[cfg.precision]),
-                         opt_state=opt, tx=ZeroTx(state.tx))
+        micro=jnp.zeros((), jnp.int32),
+        **initial_scaler(cfg),
+    )
+    return state.replace(
+        params=cast_floating(state.params, DTYPES[cfg.precision]),
+        opt_state=opt,
+        tx=ZeroTx(state.tx),
+    )
 
 
 def initial_scaler(cfg: ZeroConfig) -> dict:
     """The loss scaler's counters and metrics as a fresh state starts them."""
-    scale = (cfg.loss_scale or 2.0 ** cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
-    return dict(scale=jnp.asarray(scale, jnp.float32), good_steps=jnp.zeros((), jnp.int32),
-                hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
-                skipped=jnp.zeros((), jnp.int32), last_skipped=jnp.zeros((), bool),
-                grad_norm=jnp.zeros((), jnp.float32), overflow_at_min_scale=jnp.zeros((), bool))
+    scale = (cfg.loss_scale or 2.0**cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
+    return dict(
+        scale=jnp.asarray(scale, jnp.float32),
+        good_steps=jnp.zeros((), jnp.int32),
+        hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
+        skipped=jnp.zeros((), jnp.int32),
+        last_skipped=jnp.zeros((), bool),
+        grad_norm=jnp.zeros((), jnp.float32),
+        overflow_at_min_scale=jnp.zeros((), bool),
+    )
 
 
 def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:
     """A micro-step that does not update: add `grads` to the 'reduced' buffer (if any)."""
-    accum = opt.accum if not present(opt.accum) else jax.tree_util.tree_map(
-        lambda a, g: a + g.astype(a.dtype), opt.accum, grads)
+    accum = (
+        opt.accum
+        if not present(opt.accum)
+        else jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), opt.accum, grads)
+    )
     return opt._replace(accum=accum, micro=opt.micro + 1)
 
 
@@ -149,7 +171,8 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
     finite = jnp.isfinite(norm) if checks else jnp.asarray(True)
     if cfg.gradient_clipping > 0:
         grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
-            grads, optax.EmptyState())
+            grads, optax.EmptyState()
+        )
     master = opt.master if present(opt.master) else state.params
 
     def update(master, inner, grads=grads):
@@ -158,22 +181,30 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
 
     if run_optimizer is not None:
         new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)
-    elif checks:      # a non-finite step changes nothing (fp16: but the loss scale)
+    elif checks:  # a non-finite step changes nothing (fp16: but the loss scale)
         new_master, inner = jax.lax.cond(finite, update, lambda m, i: (m, i), master, opt.inner)
     else:
         new_master, inner = update(master, opt.inner)
     scale, good, hyst, at_min = _next_loss_scale(opt, finite, cfg)
     opt = opt._replace(
-        inner=inner, master=new_master if present(opt.master) else (),
+        inner=inner,
+        master=new_master if present(opt.master) else (),
         accum=jax.tree_util.tree_map(jnp.zeros_like, opt.accum),
-        micro=jnp.zeros((), jnp.int32), scale=scale, good_steps=good, hysteresis=hyst,
-        skipped=opt.skipped + (~finite).astype(jnp.int32), last_skipped=~finite,
-        grad_norm=jnp.where(finite, norm, opt.grad_norm), overflow_at_min_scale=at_min)
+        micro=jnp.zeros((), jnp.int32),
+        scale=scale,
+        good_steps=good,
+        hysteresis=hyst,
+        skipped=opt.skipped + (~finite).astype(jnp.int32),
+        last_skipped=~finite,
+        grad_norm=jnp.where(finite, norm, opt.grad_norm),
+        overflow_at_min_scale=at_min,
+    )
     params = cast_floating(new_master, DTYPES[cfg.precision])
     # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
     # returned state matches the input's avals and the step does not compile twice
-    return state.replace(params=params, opt_state=opt,
-                         step=jnp.where(finite, old_step + 1, old_step))
+    return state.replace(
+        params=params, opt_state=opt, step=jnp.where(finite, old_step + 1, old_step)
+    )
 
 
 def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):
@@ -196,5 +227,10 @@ def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):
 
 def update_metrics(opt: ZeroOptState) -> dict:
     """What the step adds to a metrics dict when zerojax manages the update."""
-    return {"grad_norm": opt.grad_norm, "loss_scale": opt.scale, "step_skipped": opt.last_skipped,
-            "skipped_steps": opt.skipped, "micro_step": opt.micro}
+    return {
+        "grad_norm": opt.grad_norm,
+        "loss_scale": opt.scale,
+        "step_skipped": opt.last_skipped,
+        "skipped_steps": opt.skipped,
+        "micro_step": opt.micro,
+    }

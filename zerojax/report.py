@@ -8,6 +8,7 @@ bytes of the full buffer it works on and the bytes one device sends for it under
 algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter / all-to-all
 (g-1)/g, collective-permute all of it), g being the replica-group size.
 """
+
 from __future__ import annotations
 
 import collections
@@ -26,21 +27,40 @@ from zerojax.flax.nnx import is_nnx, nnx_state, split_args
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s4": 0.5, "u4": 0.5, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_OP = re.compile(r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES) +
-                 r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+}
+_OP = re.compile(
+    r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>"
+    + "|".join(COLLECTIVES)
+    + r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
 _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One collective instruction of the compiled program."""
+
     kind: str
     dtype: str
-    buffer_bytes: int     # the full buffer: all-reduce operand, all-gather output, RS input
+    buffer_bytes: int  # the full buffer: all-reduce operand, all-gather output, RS input
     group_size: int
-    cross_node: bool = False   # a replica group spans two nodes of a ('node', 'local') mesh
+    cross_node: bool = False  # a replica group spans two nodes of a ('node', 'local') mesh
 
     @property
     def sent_bytes(self) -> float:
@@ -49,14 +69,18 @@ class Collective:
         if g <= 1:
             return 0.0
         factor = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(
-            self.kind, (g - 1) / g)
+            self.kind, (g - 1) / g
+        )
         return self.buffer_bytes * factor
 
 
 def _arrays_bytes(text: str):
     """(dtype, bytes) of every array type in an HLO shape string."""
-    return [(dt, int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]))
-            for dt, dims in _ARRAY.findall(text) if dt in _DTYPE_BYTES]
+    return [
+        (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]))
+        for dt, dims in _ARRAY.findall(text)
+        if dt in _DTYPE_BYTES
+    ]
 
 
 def _groups(attrs: str, num_devices: int) -> list[list[int]]:
@@ -84,8 +108,8 @@ def _collectives_in(line: str, num_devices: int, local: int) -> list[Collective]
     group = 2 if kind == "collective-permute" else len(groups[0])
     cross = any(len({i // local for i in g}) > 1 for g in groups)
     results = _arrays_bytes(m.group("result"))
-    if m.group("start") and kind == "all-gather":   # result tuple is (operands, outputs)
-        results = results[len(results) // 2:]
+    if m.group("start") and kind == "all-gather":  # result tuple is (operands, outputs)
+        results = results[len(results) // 2 :]
     # Read from the results: a reduce-scatter's full buffer is g times its result.
     arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
     return [Collective(kind, dtype, nbytes, group, cross) for dtype, nbytes in arrays]
@@ -108,17 +132,19 @@ def _trip_count(line: str, condition: list[str]) -> int:
     return consts[0] if lt and len(consts) == 1 else 1
 
 
-def parse_collectives(hlo_text: str, num_devices: int, local: int | None = None
-                      ) -> list[Collective]:
+def parse_collectives(
+    hlo_text: str, num_devices: int, local: int | None = None
+) -> list[Collective]:
     """Every collective an HLO module executes, as often as it executes: collectives inside a
     while loop (a scanned layer stack) count once per iteration. Async `-start` halves count
     once, `-done` halves not at all. `local`: devices per node (device ids in mesh order), to
     mark the collectives whose groups cross nodes; None: one node."""
     local = local or num_devices
-    computations, entry, name = {}, None, None
+    computations: dict[str, list[str]] = {}
+    entry, name = None, None
     for line in hlo_text.splitlines():
         m = _COMPUTATION.match(line)
-        if m and not line[:1].isspace():         # headers start in column 0, instructions not
+        if m and not line[:1].isspace():  # headers start in column 0, instructions not
             name = m.group(2)
             computations[name] = []
             entry = name if m.group(1) else entry
@@ -140,28 +166,30 @@ def parse_collectives(hlo_text: str, num_devices: int, local: int | None = None
                         found += walk(callee, seen + (comp,))
         return found
 
-    if entry is None:   # a bare list of instructions (no computations)
-        return [c for line in hlo_text.splitlines()
-                for c in _collectives_in(line, num_devices, local)]
+    if entry is None:  # a bare list of instructions (no computations)
+        return [
+            c for line in hlo_text.splitlines() for c in _collectives_in(line, num_devices, local)
+        ]
     return walk(entry, ())
 
 
 @dataclasses.dataclass
 class Report:
     """Per-device memory and per-step communication of one compiled zerojax step."""
+
     stage: int
     devices: int
-    resident: dict            # category -> bytes of the live state in device 0's memory
-    host_resident: dict       # category -> bytes of device 0's offloaded state (pinned host)
+    resident: dict  # category -> bytes of the live state in device 0's memory
+    host_resident: dict  # category -> bytes of device 0's offloaded state (pinned host)
     host_argument_bytes: int  # step arguments in host memory (offloaded state)
-    streamed_bytes: int       # offloaded state the step copies into device memory (see below)
-    kept_replicated: int      # bytes of leaves this stage would shard but the policy keeps whole
-    argument_bytes: int       # step arguments in device memory
+    streamed_bytes: int  # offloaded state the step copies into device memory (see below)
+    kept_replicated: int  # bytes of leaves this stage would shard but the policy keeps whole
+    argument_bytes: int  # step arguments in device memory
     output_bytes: int
     alias_bytes: int
     temp_bytes: int
     collectives: list
-    xla_flags: dict = dataclasses.field(default_factory=dict)   # zerojax's defaults in force
+    xla_flags: dict = dataclasses.field(default_factory=dict)  # zerojax's defaults in force
 
     @property
     def peak_bytes(self) -> int:
@@ -204,8 +232,10 @@ class Report:
 
     def __str__(self):
         mb = lambda b: f"{b / 2**20:10.3f}"
-        lines = [f"zerojax stage {self.stage} on {self.devices} devices (per device, MiB)",
-                 "state resident on device 0:"]
+        lines = [
+            f"zerojax stage {self.stage} on {self.devices} devices (per device, MiB)",
+            "state resident on device 0:",
+        ]
         for cat in CATEGORIES:
             if cat in self.resident or cat in (PARAMS, "optimizer state"):
                 lines.append(f"  {cat:<28}{mb(self.resident.get(cat, 0))}")
@@ -217,19 +247,28 @@ class Report:
                 if cat in self.host_resident:
                     lines.append(f"  {cat:<28}{mb(self.host_resident[cat])}")
             lines.append(f"  {'total':<28}{mb(sum(self.host_resident.values()))}")
-        lines += ["compiled step (memory_analysis):",
-                  f"  {'arguments (device)':<28}{mb(self.argument_bytes)}",
-                  f"  {'temporaries':<28}{mb(self.temp_bytes)}",
-                  f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
-                  f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
-                  *([f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
-                     f"bound {mb(self.peak_bound_bytes).strip()})"] if self.streamed_bytes else []),
-                  "communication per optimizer step (HLO after SPMD partitioning):",
-                  f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"
-                  f"{'cross-node':>11}"]
+        lines += [
+            "compiled step (memory_analysis):",
+            f"  {'arguments (device)':<28}{mb(self.argument_bytes)}",
+            f"  {'temporaries':<28}{mb(self.temp_bytes)}",
+            f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
+            f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
+            *(
+                [
+                    f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
+                    f"bound {mb(self.peak_bound_bytes).strip()})"
+                ]
+                if self.streamed_bytes
+                else []
+            ),
+            "communication per optimizer step (HLO after SPMD partitioning):",
+            f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"
+            f"{'cross-node':>11}",
+        ]
         for (kind, dtype), (count, buf, sent, cross) in sorted(self.comm_table().items()):
-            lines.append(f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}"
-                         f"{mb(cross):>11}")
+            lines.append(
+                f"  {kind:<20}{dtype:<7}{count:>6}{mb(buf):>12}{mb(sent):>11}{mb(cross):>11}"
+            )
         if not self.collectives:
             lines.append("  (none)")
         for name, value in self.xla_flags.items():
@@ -238,8 +277,11 @@ class Report:
 
 
 CATEGORIES = (PARAMS, "optimizer state", "master weights", "gradient buffers", OTHER)
-_OPT_FIELDS = {"master": "master weights", "accum": "gradient buffers",
-               "per_device": "gradient buffers"}
+_OPT_FIELDS = {
+    "master": "master weights",
+    "accum": "gradient buffers",
+    "per_device": "gradient buffers",
+}
 
 
 def _category(plan) -> str:
@@ -258,15 +300,16 @@ def resident_bytes(zero, state, device=None):
     device = device or zero.mesh.devices.flat[0]
     by_cat, on_host = collections.Counter(), collections.Counter()
     kept = 0
-    for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state)):
-        if isinstance(leaf, jax.ShapeDtypeStruct):   # abstract state: every device holds a shard
+    for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state), strict=True):
+        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract state: every device holds a shard
             nbytes = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         else:
             nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
         host = getattr(leaf.sharding, "memory_kind", None) == HOST
         (on_host if host else by_cat)[_category(plan)] += nbytes
-        sharded_here = plan.category == OPT_STATE or (plan.category == PARAMS
-                                                      and zero.config.stage == 3)
+        sharded_here = plan.category == OPT_STATE or (
+            plan.category == PARAMS and zero.config.stage == 3
+        )
         if sharded_here and zero.config.stage >= 1 and plan.reason.startswith("replicated"):
             kept += nbytes
     return dict(by_cat), dict(on_host), kept
@@ -276,14 +319,17 @@ def compile_with_partitioned_hlo(lowered, devices: int):
     """(compiled executable, text of the HLO module right after SPMD partitioning; on one
     device, where nothing is partitioned, the compiled module)."""
     with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
-        compiled = lowered.compile({"xla_dump_to": tmp,
-                                    "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        compiled = lowered.compile(
+            {"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"}
+        )
         found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not found and devices == 1:
-            return compiled, compiled.as_text()   # one device: nothing to partition
+            return compiled, compiled.as_text()  # one device: nothing to partition
         if not found:
-            raise RuntimeError("XLA wrote no module after SPMD partitioning; cannot count "
-                               "collectives at their sent dtype.")
+            raise RuntimeError(
+                "XLA wrote no module after SPMD partitioning; cannot count "
+                "collectives at their sent dtype."
+            )
         with open(found[-1]) as f:
             return compiled, f.read()
 
@@ -293,36 +339,48 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
     k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
-    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra),
-                                                 zero.mesh.size)
+    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra), zero.mesh.size)
     if dump_to:
-        for suffix, text in ((".partitioned.hlo.txt", hlo),
-                             (".optimized.hlo.txt", compiled.as_text())):
+        for suffix, text in (
+            (".partitioned.hlo.txt", hlo),
+            (".optimized.hlo.txt", compiled.as_text()),
+        ):
             with open(dump_to + suffix, "w") as f:
                 f.write(text)
-    local = dict(zero.mesh.shape).get("local")     # devices per node on a ('node', 'local') mesh
+    local = dict(zero.mesh.shape).get("local")  # devices per node on a ('node', 'local') mesh
     collectives = parse_collectives(hlo, zero.axis_size, local)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
         micro, micro_hlo = compile_with_partitioned_hlo(
-            step.lower(state, batch, *extra, micro=True), zero.mesh.size)
+            step.lower(state, batch, *extra, micro=True), zero.mesh.size
+        )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
-    if is_nnx(state):      # step(model, optimizer, batch): the objects' dict state
+    if is_nnx(state):  # step(model, optimizer, batch): the objects' dict state
         state = nnx_state(split_args((state, batch, *extra))[0])
     resident, host, kept = resident_bytes(zero, state)
     # CPU's memory_analysis counts host-memory arguments with the device's (its host fields
     # stay 0): take the offloaded state out of the arguments there
     host_args = int(mem.host_argument_size_in_bytes) or sum(host.values())
     device_args = int(mem.argument_size_in_bytes) - (
-        0 if mem.host_argument_size_in_bytes else sum(host.values()))
+        0 if mem.host_argument_size_in_bytes else sum(host.values())
+    )
     # the step brings offloaded state to the device: all of it when the update runs there,
     # only the parameters when it runs on the host
     streamed = host.get(PARAMS, 0) if zero.config.offload_update == "host" else sum(host.values())
-    return Report(stage=zero.config.stage, devices=zero.axis_size, resident=resident,
-                  host_resident=host, host_argument_bytes=host_args, streamed_bytes=streamed,
-                  kept_replicated=kept, argument_bytes=device_args,
-                  output_bytes=int(mem.output_size_in_bytes),
-                  alias_bytes=int(mem.alias_size_in_bytes), temp_bytes=temp,
-                  collectives=collectives, xla_flags=xla_flags.effective())
+    return Report(
+        stage=zero.config.stage,
+        devices=zero.axis_size,
+        resident=resident,
+        host_resident=host,
+        host_argument_bytes=host_args,
+        streamed_bytes=streamed,
+        kept_replicated=kept,
+        argument_bytes=device_args,
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        temp_bytes=temp,
+        collectives=collectives,
+        xla_flags=xla_flags.effective(),
+    )

@@ -6,6 +6,7 @@ is too small to be worth a collective. Optimizer-state leaves are matched to the
 the same path suffix and shape (never by optimizer type), so Adam's moments follow their
 parameter while Adafactor's factored moments get the default rule for their own shapes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,23 +17,24 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec as P
 
-from zerojax.config import ZeroError, ZeroConfig
+from zerojax.config import ZeroConfig, ZeroError
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
-PER_DEVICE = "per_device"   # opt_state field of per-device buffers: (devices, *shape), split dim 0
-DEVICE, HOST = "device", "pinned_host"   # JAX memory kinds a leaf may rest in
+PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
+DEVICE, HOST = "device", "pinned_host"  # JAX memory kinds a leaf may rest in
 LARGE_REPLICATED_BYTES = 1 << 20  # warn when a leaf this big must stay replicated
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
     """Where one state leaf lives and why."""
-    path: str            # e.g. 'params/Dense_0/kernel'
-    category: str        # PARAMS, OPT_STATE or OTHER
+
+    path: str  # e.g. 'params/Dense_0/kernel'
+    category: str  # PARAMS, OPT_STATE or OTHER
     shape: tuple
     dtype: str
     spec: P
-    reason: str          # 'sharded dim 1', 'replicated: below persistence threshold', ...
+    reason: str  # 'sharded dim 1', 'replicated: below persistence threshold', ...
     memory: str = DEVICE  # memory kind at rest: DEVICE, or HOST when offloaded
 
     @property
@@ -51,27 +53,40 @@ def path_str(path) -> str:
     return "/".join(key_name(k) for k in path)
 
 
-def split_spec(shape, axis: str, n: int, cfg: ZeroConfig, path: str = "",
-               user_rules: bool = True, tensor: "TensorSpec | None" = None) -> tuple[P, str]:
+def split_spec(
+    shape,
+    axis: str,
+    n: int,
+    cfg: ZeroConfig,
+    path: str = "",
+    user_rules: bool = True,
+    tensor: TensorSpec | None = None,
+) -> tuple[P, str]:
     """Spec for a leaf that this stage shards, and the reason for the choice. `tensor`, the
     leaf's tensor-parallel axes (if the model declares any), stays in the spec; the ZeRO axis
     goes on a dimension they leave free, else joins one of theirs when the split divides."""
     ndim = len(shape)
     tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
-    local = [size // div for size, div in zip(shape, tensor.divisors)]   # sizes after TP
+    local = [
+        size // div for size, div in zip(shape, tensor.divisors, strict=True)
+    ]  # sizes after TP
     if user_rules:
         for pattern, dim in cfg.rules:
             if re.search(pattern, path):
                 if dim is None:
                     return tensor.spec(), f"replicated: rule {pattern!r}"
                 if not -ndim <= dim < ndim:
-                    raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r}, which "
-                                      f"has shape {tuple(shape)}.")
+                    raise ZeroError(
+                        f"rule {pattern!r} splits dim {dim} of {path!r}, which "
+                        f"has shape {tuple(shape)}."
+                    )
                 dim %= ndim
                 if local[dim] % n:
-                    raise ZeroError(f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
-                                      f"{tuple(shape)}), which does not divide by {n} devices; "
-                                      "name another dim or None to replicate it.")
+                    raise ZeroError(
+                        f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
+                        f"{tuple(shape)}), which does not divide by {n} devices; "
+                        "name another dim or None to replicate it."
+                    )
                 return tensor.spec(dim, axis), f"sharded dim {dim} (rule {pattern!r})"
     if n == 1:
         return tensor.spec(), "replicated: one device"
@@ -88,6 +103,7 @@ def split_spec(shape, axis: str, n: int, cfg: ZeroConfig, path: str = "",
 class TensorSpec:
     """A leaf's tensor-parallel layout as the model declares it: per dimension the mesh axes
     (None, a name or a tuple of names) and how many ways they split it."""
+
     axes: tuple
     divisors: tuple
 
@@ -114,8 +130,9 @@ def category_of(path) -> str:
     return head if head in (PARAMS, OPT_STATE) else OTHER
 
 
-def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None
-               ) -> tuple[object, list[LeafPlan]]:
+def plan_state(
+    state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None
+) -> tuple[object, list[LeafPlan]]:
     """Storage PartitionSpecs for every leaf of `state` (a pytree of arrays or ShapeDtypeStructs)
     and the per-leaf plan. The state holds its parameters under a `params` field or key, or is a
     tuple `(params, opt_state, ...)`. `tensor` maps parameter paths to their `TensorSpec`."""
@@ -126,10 +143,12 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
         named = PARAMS in state if isinstance(state, dict) else hasattr(state, PARAMS)
         raise ZeroError(
             "the state's `params` holds no arrays: there is nothing to train or shard (did the "
-            "model's init return empty variables?)." if named else
-            f"the state ({type(state).__name__}) has no `params`: zerojax needs the parameters "
-            "under a field or key named `params` (a flax TrainState, or a dict/dataclass with "
-            "`params` and `opt_state`), or a tuple `(params, opt_state)`.")
+            "model's init return empty variables?)."
+            if named
+            else f"the state ({type(state).__name__}) has no `params`: zerojax needs the "
+            "parameters under a field or key named `params` (a flax TrainState, or a "
+            "dict/dataclass with `params` and `opt_state`), or a tuple `(params, opt_state)`."
+        )
     param_specs = {}
     plans = []
     for path, leaf in leaves:
@@ -147,15 +166,26 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
         elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
             spec, reason = _spec_on(0, len(leaf.shape), cfg.axis), "per-device buffer"
         elif cat == OPT_STATE and cfg.stage >= 1:
-            spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
-                                         axis_size)
+            spec, reason = _follow_param(
+                path_str(path[1:]), leaf.shape, param_specs, cfg, axis_size
+            )
         elif cat == OPT_STATE:
-            spec, reason = _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg,
-                                         axis_size, tensor_only=True)
+            spec, reason = _follow_param(
+                path_str(path[1:]), leaf.shape, param_specs, cfg, axis_size, tensor_only=True
+            )
         else:
             spec, reason = P(), "replicated: not params or optimizer state"
-        plans.append(LeafPlan(path_str(path), cat, tuple(leaf.shape), str(leaf.dtype), spec,
-                              reason, _memory_kind(cat, path, leaf, cfg)))
+        plans.append(
+            LeafPlan(
+                path_str(path),
+                cat,
+                tuple(leaf.shape),
+                str(leaf.dtype),
+                spec,
+                reason,
+                _memory_kind(cat, path, leaf, cfg),
+            )
+        )
     _warn_large_replicated(plans, axis_size)
     return jax.tree_util.tree_unflatten(treedef, [p.spec for p in plans]), plans
 
@@ -167,14 +197,19 @@ def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
     buffers that local accumulation adds to on every micro-batch."""
     if cat == PARAMS and cfg.offload_param == "cpu":
         return HOST
-    if (cat == OPT_STATE and cfg.offload_optimizer == "cpu" and len(leaf.shape) >= 1
-            and not (len(path) > 1 and key_name(path[1]) == PER_DEVICE)):
+    if (
+        cat == OPT_STATE
+        and cfg.offload_optimizer == "cpu"
+        and len(leaf.shape) >= 1
+        and not (len(path) > 1 and key_name(path[1]) == PER_DEVICE)
+    ):
         return HOST
     return DEVICE
 
 
-def _follow_param(path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int,
-                  tensor_only: bool = False):
+def _follow_param(
+    path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int, tensor_only: bool = False
+):
     """An optimizer leaf takes the spec of the parameter whose path ends its own and whose shape
     is its own (`tensor_only`, stage 0: only its tensor-parallel axes); any other leaf (factored
     moments, counts) gets the default rule."""
@@ -206,21 +241,28 @@ def spec_entry(names: tuple):
 
 
 def _warn_large_replicated(plans, n):
-    big = [p for p in plans if p.reason.startswith("replicated: no dim")
-           and p.nbytes >= LARGE_REPLICATED_BYTES]
+    big = [
+        p
+        for p in plans
+        if p.reason.startswith("replicated: no dim") and p.nbytes >= LARGE_REPLICATED_BYTES
+    ]
     if big:
         names = ", ".join(f"{p.path} {p.shape} ({p.nbytes / 2**20:.1f} MiB)" for p in big[:5])
-        warnings.warn(f"zerojax keeps these large leaves replicated because no dimension "
-                      f"divides by {n}: {names}. Give them a divisible shape (e.g. pad the "
-                      "vocabulary) or use a device count that divides one of their dims.",
-                      stacklevel=3)
+        warnings.warn(
+            f"zerojax keeps these large leaves replicated because no dimension "
+            f"divides by {n}: {names}. Give them a divisible shape (e.g. pad the "
+            "vocabulary) or use a device count that divides one of their dims.",
+            stacklevel=3,
+        )
 
 
 def variables_specs(variables, cfg: ZeroConfig, axis_size: int):
     """Specs of the `variables` a step passes to `apply_fn`, matching their storage: the
     `params` collection as the state's parameters, every other collection replicated."""
+
     def spec(path, leaf):
         if cfg.stage == 3 and path and key_name(path[0]) == PARAMS:
             return split_spec(leaf.shape, cfg.axis, axis_size, cfg, path_str(path[1:]))[0]
         return P()
+
     return jax.tree_util.tree_map_with_path(spec, variables)

@@ -9,6 +9,7 @@ Three ways to trace it, by configuration:
   `no_sync`: each device sums its own gradients, and only the k-th micro-batch reduces them,
   once, before the same `apply_update`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,16 +18,25 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from zerojax.config import ZeroError
-from zerojax.hook import hooked_apply_fn, local_apply_fn
-from zerojax.optim import (DTYPES, ZeroOptState, accumulate, apply_update, capture_gradients,
-                           cast_floating, present, update_metrics)
 from zerojax.comm.gather import split_dim
 from zerojax.comm.hierarchy import reduce_gradient
+from zerojax.config import ZeroError
 from zerojax.flax.nnx import is_nnx
+from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.offload import optimizer_on_host, to_device, to_storage
+from zerojax.optim import (
+    DTYPES,
+    ZeroOptState,
+    accumulate,
+    apply_update,
+    capture_gradients,
+    cast_floating,
+    present,
+    update_metrics,
+)
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
 
 
@@ -40,13 +50,13 @@ class ZeroStep:
         self.used_explicit_collectives = None  # known after the first trace
         self._warned = False
         self._last_state, self._next_micro, self._min_scale_flag = None, 0, None
-        self._nonfinite_flag = None   # (skipped?, step, skipped so far) of the last update
-        self._nnx = None              # the NnxStep, when called with NNX objects
+        self._nonfinite_flag = None  # (skipped?, step, skipped so far) of the last update
+        self._nnx = None  # the NnxStep, when called with NNX objects
         functools.update_wrapper(self, fn)
 
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, state, batch, *extra):
-        if is_nnx(state):          # fn(model, optimizer, ..., batch): see zerojax.flax.nnx
+        if is_nnx(state):  # fn(model, optimizer, ..., batch): see zerojax.flax.nnx
             return self._nnx_step()(state, batch, *extra)
         self._raise_if_scale_exhausted()
         self.check()
@@ -59,14 +69,16 @@ class ZeroStep:
         k = self.zero.config.gradient_accumulation_steps
         self._last_state, self._next_micro = new_state, (micro_index + 1) % k
         if self.zero.config.precision == "fp16" and not self.zero.config.loss_scale:
-            self._min_scale_flag = (new_state.opt_state.overflow_at_min_scale,
-                                    new_state.opt_state.scale)
+            self._min_scale_flag = (
+                new_state.opt_state.overflow_at_min_scale,
+                new_state.opt_state.scale,
+            )
         if self.zero.config.on_nonfinite != "off" and not self._is_micro(micro_index):
             opt = new_state.opt_state
             self._nonfinite_flag = (opt.last_skipped, new_state.step, opt.skipped)
         return out
 
-    def check(self):
+    def check(self) -> None:
         """Report a non-finite gradient in the last optimizer step (read lazily, at the next
         call, so steps still queue asynchronously): on_nonfinite='skip' warns with the step
         number, 'stop' raises ZeroError."""
@@ -75,15 +87,19 @@ class ZeroStep:
         (skipped, step, total), self._nonfinite_flag = self._nonfinite_flag, None
         if not bool(skipped):
             return
-        message = (f"non-finite gradients (NaN or inf) at step {int(step)}: the update was not "
-                   "applied")
+        message = (
+            f"non-finite gradients (NaN or inf) at step {int(step)}: the update was not applied"
+        )
         if self.zero.config.on_nonfinite == "stop":
-            raise ZeroError(f"{message}; stopping (on_nonfinite='stop'). The state that call "
-                            "returned is the last good one, unchanged by the bad step.")
-        warnings.warn(f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').",
-                      stacklevel=3)
+            raise ZeroError(
+                f"{message}; stopping (on_nonfinite='stop'). The state that call "
+                "returned is the last good one, unchanged by the bad step."
+            )
+        warnings.warn(
+            f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').", stacklevel=3
+        )
 
-    def lower(self, state, batch, *extra, micro: bool = False):
+    def lower(self, state, batch, *extra, micro: bool = False) -> jax.stages.Lowered:
         """Lower the optimizer-step variant (or, with micro=True, the accumulate-only one)."""
         if is_nnx(state):
             return self._nnx_step().lower(state, batch, *extra)
@@ -95,6 +111,7 @@ class ZeroStep:
     def _nnx_step(self):
         if self._nnx is None:
             from zerojax.flax.nnx import NnxStep
+
             self._nnx = NnxStep(self.zero, self.fn)
         return self._nnx
 
@@ -103,14 +120,16 @@ class ZeroStep:
         if not cfg.manages_update:
             return 0
         if not isinstance(getattr(state, "opt_state", None), ZeroOptState):
-            raise ZeroError("this zero_shard manages the update (precision, accumulation or "
-                            "clipping): create the state with zero.init(...) or zero.shard(state) "
-                            "so it carries the master weights and buffers.")
+            raise ZeroError(
+                "this zero_shard manages the update (precision, accumulation or "
+                "clipping): create the state with zero.init(...) or zero.shard(state) "
+                "so it carries the master weights and buffers."
+            )
         if cfg.gradient_accumulation_steps == 1:
             return 0
         if state is self._last_state:
             return self._next_micro
-        return int(state.opt_state.micro)       # a state from elsewhere: read its position once
+        return int(state.opt_state.micro)  # a state from elsewhere: read its position once
 
     def _is_micro(self, micro_index: int) -> bool:
         return micro_index < self.zero.config.gradient_accumulation_steps - 1
@@ -121,18 +140,24 @@ class ZeroStep:
                 f"fp16 gradients still overflow with the loss scale at min_loss_scale="
                 f"{self.zero.config.min_loss_scale}: training cannot proceed (the last state "
                 "returned holds the last good parameters). Lower the learning rate, use "
-                "precision='bf16', or lower min_loss_scale.")
+                "precision='bf16', or lower min_loss_scale."
+            )
 
     def _prepare(self, state, batch, extra, micro: bool):
         """(jitted function, state shardings, placed batch), compiled once per layout/variant."""
         batch = self.zero.place_batch(batch)
-        key = (jax.tree_util.tree_structure((state, batch, extra)), micro,
-               tuple(np.shape(x) for x in jax.tree_util.tree_leaves((state, batch))))
+        key = (
+            jax.tree_util.tree_structure((state, batch, extra)),
+            micro,
+            tuple(np.shape(x) for x in jax.tree_util.tree_leaves((state, batch))),
+        )
         if key not in self._jitted:
             shardings = self.zero.state_shardings(state)
             rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
-            jitted = jax.jit(functools.partial(self._traced, shardings, rows, micro),
-                             donate_argnums=(0,) if self.zero.config.donate else ())
+            jitted = jax.jit(
+                functools.partial(self._traced, shardings, rows, micro),
+                donate_argnums=(0,) if self.zero.config.donate else (),
+            )
             self._jitted[key] = (jitted, shardings)
         return (*self._jitted[key], batch)
 
@@ -141,8 +166,9 @@ class ZeroStep:
         cfg = self.zero.config
         state = jax.lax.with_sharding_constraint(state, shardings)
         host_update = cfg.offload_update == "host"
-        state = to_device(state, shardings,
-                          keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None)
+        state = to_device(
+            state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
+        )
         if cfg.manages_update and cfg.accumulates_locally:
             out = self._traced_local(shardings, micro, state, batch, *extra)
         else:
@@ -160,17 +186,28 @@ class ZeroStep:
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
         tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
-        if (cfg.explicit_collectives and not tensor_axes and callable(original)
-                and hasattr(state, "replace")):
-            view = view.replace(apply_fn=hooked_apply_fn(original, mesh, self.zero.comm, cfg,
-                                                         batch_rows, calls, scale))
+        if (
+            cfg.explicit_collectives
+            and not tensor_axes
+            and callable(original)
+            and hasattr(state, "replace")
+        ):
+            view = view.replace(
+                apply_fn=hooked_apply_fn(
+                    original, mesh, self.zero.comm, cfg, batch_rows, calls, scale
+                )
+            )
         elif managed and cfg.precision != "fp32":
             raise ZeroError(
                 "16-bit precision casts parameters where state.apply_fn uses them, which the "
-                + (f"mesh's tensor-parallel axes {tensor_axes} rule out (XLA places every "
-                   "collective there): train in fp32 with a bf16 model dtype instead."
-                   if tensor_axes else "step does not do: keep explicit_collectives=True and "
-                   "call state.apply_fn in the step."))
+                + (
+                    f"mesh's tensor-parallel axes {tensor_axes} rule out (XLA places every "
+                    "collective there): train in fp32 with a bf16 model dtype instead."
+                    if tensor_axes
+                    else "step does not do: keep explicit_collectives=True and "
+                    "call state.apply_fn in the step."
+                )
+            )
         with capture_gradients() as sink:
             out = self.fn(view, batch, *extra)
         self.used_explicit_collectives = bool(calls)
@@ -182,8 +219,9 @@ class ZeroStep:
         grads = _one_capture(sink)
         new_state = new_state.replace(params=state.params, opt_state=state.opt_state)
         if micro:
-            new_state = new_state.replace(opt_state=accumulate(state.opt_state, grads),
-                                          step=state.step)
+            new_state = new_state.replace(
+                opt_state=accumulate(state.opt_state, grads), step=state.step
+            )
         else:
             new_state = self._update(shardings, new_state, state.step, grads)
         return _with_metrics(new_state, rest)
@@ -194,8 +232,9 @@ class ZeroStep:
         cfg, n = self.zero.config, self.zero.shard_size
         split = cfg.stage >= 2 if split is None else split
         return jax.tree_util.tree_map_with_path(
-            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0] if split
-            else P(), params)
+            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0] if split else P(),
+            params,
+        )
 
     def _update(self, shardings, new_state, old_step, grads):
         """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
@@ -203,13 +242,24 @@ class ZeroStep:
         if cfg.offload_update != "host":
             return apply_update(new_state, old_step, grads, cfg)
         mesh, opt = self.zero.mesh, shardings.opt_state
-        grads_sh = jax.tree_util.tree_map(          # gradients split like the master
-            lambda spec: NamedSharding(mesh, spec), self._grad_specs(new_state.params, True),
-            is_leaf=lambda x: isinstance(x, P))
-        host = (opt.master if present(opt.master) else shardings.params, opt.inner, grads_sh,
-                NamedSharding(mesh, P()))
-        return apply_update(new_state, old_step, grads, cfg,
-                            run_optimizer=functools.partial(optimizer_on_host, shardings=host))
+        grads_sh = jax.tree_util.tree_map(  # gradients split like the master
+            lambda spec: NamedSharding(mesh, spec),
+            self._grad_specs(new_state.params, True),
+            is_leaf=lambda x: isinstance(x, P),
+        )
+        host = (
+            opt.master if present(opt.master) else shardings.params,
+            opt.inner,
+            grads_sh,
+            NamedSharding(mesh, P()),
+        )
+        return apply_update(
+            new_state,
+            old_step,
+            grads,
+            cfg,
+            run_optimizer=functools.partial(optimizer_on_host, shardings=host),
+        )
 
     def _traced_local(self, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
@@ -220,33 +270,53 @@ class ZeroStep:
         scale = state.opt_state.scale if cfg.precision == "fp16" else None
 
         def body(state, batch, extra):
-            view = state.replace(params=cast_floating(state.params, jnp.float32),
-                                 apply_fn=local_apply_fn(original, cfg, calls, scale))
+            view = state.replace(
+                params=cast_floating(state.params, jnp.float32),
+                apply_fn=local_apply_fn(original, cfg, calls, scale),
+            )
             with capture_gradients() as sink:
                 out = self.fn(view, batch, *extra)
             grads = _one_capture(sink)
             new_state, rest = _split(out, state)
             opt = state.opt_state
-            sums = jax.tree_util.tree_map(lambda a, g: a + g[None].astype(a.dtype),
-                                          opt.per_device, grads)
+            sums = jax.tree_util.tree_map(
+                lambda a, g: a + g[None].astype(a.dtype), opt.per_device, grads
+            )
             reduced = ()
-            if not micro:    # one reduction per optimizer step; the mean over devices, as DDP
+            if not micro:  # one reduction per optimizer step; the mean over devices, as DDP
                 reduced = jax.tree_util.tree_map(
-                    lambda s, spec: reduce_gradient(s[0], split_dim(spec, comm.shard_axis), comm,
-                                                    DTYPES[cfg.grad_reduce_dtype])
-                    .astype(jnp.float32) / n,
-                    sums, param_grad_specs)
+                    lambda s, spec: (
+                        reduce_gradient(
+                            s[0],
+                            split_dim(spec, comm.shard_axis),
+                            comm,
+                            DTYPES[cfg.grad_reduce_dtype],
+                        ).astype(jnp.float32)
+                        / n
+                    ),
+                    sums,
+                    param_grad_specs,
+                )
                 sums = jax.tree_util.tree_map(jnp.zeros_like, sums)
-            new_state = _sync_other_fields(new_state.replace(
-                params=state.params, opt_state=opt._replace(per_device=sums), step=state.step,
-                apply_fn=original), axis)
+            new_state = _sync_other_fields(
+                new_state.replace(
+                    params=state.params,
+                    opt_state=opt._replace(per_device=sums),
+                    step=state.step,
+                    apply_fn=original,
+                ),
+                axis,
+            )
             return new_state, reduced, _device_mean(rest, axis)
 
         batch_specs = jax.tree_util.tree_map(lambda x: P(axis) if np.ndim(x) else P(), batch)
         new_state, reduced, rest = jax.shard_map(
-            body, mesh=mesh, in_specs=(specs, batch_specs, P()),
+            body,
+            mesh=mesh,
+            in_specs=(specs, batch_specs, P()),
             out_specs=(specs, param_grad_specs if not micro else P(), P()),
-            check_vma=False)(state, batch, extra)
+            check_vma=False,
+        )(state, batch, extra)
         self.used_explicit_collectives = bool(calls)
         if micro:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
@@ -255,37 +325,49 @@ class ZeroStep:
         return _with_metrics(new_state, rest)
 
     def _warn_if_not_hooked(self):
-        if (self.zero.config.explicit_collectives and self.used_explicit_collectives is False
-                and self.zero.config.stage >= 2 and not self._warned):
+        if (
+            self.zero.config.explicit_collectives
+            and self.used_explicit_collectives is False
+            and self.zero.config.stage >= 2
+            and not self._warned
+        ):
             self._warned = True
             if self.zero.comm.tensor:
                 warnings.warn(
                     f"zerojax: the mesh has tensor-parallel axes "
                     f"{tuple(a for a, _ in self.zero.comm.tensor)}, so XLA's partitioner places "
                     "every collective, ZeRO's included (explicit_collectives applies to meshes "
-                    "of ZeRO axes only).", stacklevel=3)
+                    "of ZeRO axes only).",
+                    stacklevel=3,
+                )
                 return
-            warnings.warn(f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
-                          "partitioner places the collectives (on CPU, stage 2 then all-reduces "
-                          "the gradients instead of reduce-scattering them).", stacklevel=3)
+            warnings.warn(
+                f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
+                "partitioner places the collectives (on CPU, stage 2 then all-reduces "
+                "the gradients instead of reduce-scattering them).",
+                stacklevel=3,
+            )
 
 
 def _from_device_0(tree, axis):
     """Every device takes device 0's value of each leaf (state fields a per-device step may
     have changed differently on each device)."""
+
     def pick(x):
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(pick(jax.random.key_data(x)),
-                                            impl=jax.random.key_impl(x))
+            return jax.random.wrap_key_data(
+                pick(jax.random.key_data(x)), impl=jax.random.key_impl(x)
+            )
         return jax.lax.all_gather(x, axis)[0]
+
     return jax.tree_util.tree_map(pick, tree)
 
 
 def _sync_other_fields(state, axis):
     """Fields besides params and opt_state (an rng, user counters) from device 0."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else _from_device_0(x, axis),
-        state)
+        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else _from_device_0(x, axis), state
+    )
 
 
 def _device_mean(tree, axis):
@@ -293,14 +375,21 @@ def _device_mean(tree, axis):
     if tree is None:
         return None
     return jax.tree_util.tree_map(
-        lambda x: jax.lax.pmean(x, axis) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-        else _from_device_0(x, axis), tree)
+        lambda x: (
+            jax.lax.pmean(x, axis)
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+            else _from_device_0(x, axis)
+        ),
+        tree,
+    )
 
 
 def _one_capture(sink):
     if len(sink) != 1:
-        raise ZeroError(f"a zerojax step must call state.apply_gradients exactly once (it was "
-                        f"called {len(sink)} times).")
+        raise ZeroError(
+            f"a zerojax step must call state.apply_gradients exactly once (it was "
+            f"called {len(sink)} times)."
+        )
     return sink[0]
 
 
@@ -310,8 +399,10 @@ def _split(out, state):
         return out, None
     if isinstance(out, tuple) and out and _is_state(out[0], state):
         return out[0], tuple(out[1:])
-    raise ZeroError("a zerojax step must return the new state, or a tuple whose first item "
-                    f"is the new state ({type(state).__name__}).")
+    raise ZeroError(
+        "a zerojax step must return the new state, or a tuple whose first item "
+        f"is the new state ({type(state).__name__})."
+    )
 
 
 def _is_state(x, state) -> bool:
@@ -320,7 +411,7 @@ def _is_state(x, state) -> bool:
     if type(x) is not type(state):
         return False
     if type(state) is tuple:
-        return jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(state)
+        return bool(jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(state))  # type: ignore[operator]
     return True
 
 
@@ -335,22 +426,27 @@ def _with_metrics(new_state, rest):
 
 def _check_placed(state, shardings):
     """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
-    for (path, leaf), want in zip(jax.tree_util.tree_flatten_with_path(state)[0],
-                                  jax.tree_util.tree_leaves(shardings)):
+    for (path, leaf), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0],
+        jax.tree_util.tree_leaves(shardings),
+        strict=True,
+    ):
         have = getattr(leaf, "sharding", None)
         if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
             raise ZeroError(
                 f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
                 f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
-                "or place it with zero.shard(state).")
+                "or place it with zero.shard(state)."
+            )
 
 
 def _cast_before_gather(out, state, shardings):
     """New 16-bit params laid out like their fp32 master first, so that stages 1-2 all-gather
     them in 16 bits (XLA would otherwise gather the fp32 master and cast after)."""
     new, rest = _split(out, state)
-    new = new.replace(params=jax.lax.with_sharding_constraint(
-        new.params, shardings.opt_state.master))
+    new = new.replace(
+        params=jax.lax.with_sharding_constraint(new.params, shardings.opt_state.master)
+    )
     return new if rest is None else (new, *rest)
 
 
@@ -358,7 +454,9 @@ def _constrain_new_state(out, state, shardings):
     """Pin the returned state (alone, or first of a tuple) to the storage shardings."""
     new, rest = _split(out, state)
     if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):
-        raise ZeroError("the state a zerojax step returns must have the structure of the state "
-                        f"it received ({type(state).__name__}); did the step add or drop fields?")
+        raise ZeroError(
+            "the state a zerojax step returns must have the structure of the state "
+            f"it received ({type(state).__name__}); did the step add or drop fields?"
+        )
     new = to_storage(new, shardings)
     return new if rest is None else (new, *rest)

@@ -6,6 +6,7 @@ pipeliner does the same across the iterations of a scanned layer stack. The flag
 CPU and TPU. A value you already put in XLA_FLAGS wins; ZEROJAX_DEFAULT_XLA_FLAGS=0 turns the
 defaults off. `effective()` says what is in force, and every report records it.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,7 @@ DEFAULTS = {
     "xla_gpu_enable_pipelined_all_gather": "true",
     "xla_gpu_enable_pipelined_reduce_scatter": "true",
 }
-_STATUS = {}
+_STATUS: dict[str, str] = {}
 
 
 def _user_flags() -> dict:
@@ -34,8 +35,9 @@ def apply_defaults() -> None:
     if os.environ.get("ZEROJAX_DEFAULT_XLA_FLAGS", "1") == "0":
         _STATUS.update({k: "off (ZEROJAX_DEFAULT_XLA_FLAGS=0)" for k in DEFAULTS})
         return
-    started = "jax" in sys.modules and bool(getattr(
-        sys.modules.get("jax._src.xla_bridge"), "_backends", None))
+    started = "jax" in sys.modules and bool(
+        getattr(sys.modules.get("jax._src.xla_bridge"), "_backends", None)
+    )
     user = _user_flags()
     added = []
     for name, value in DEFAULTS.items():

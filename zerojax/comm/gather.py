@@ -7,12 +7,13 @@ Its backward receives each device's own, unreduced gradient block and reduces it
 configured dtype with the collective the stage calls for (`comm.hierarchy.reduce_gradient`): a
 reduce-scatter when the gradient is to be stored split, else an all-reduce; then it divides by
 the loss scale in fp32 and returns the gradient in the leaf's own dtype. With ZeRO++ the
-gather moves int8 blocks (qwZ) and the reduce-scatter quantized blocks (qgZ). Written with `shard_map` because
-XLA's partitioner on CPU never emits reduce-scatter.
+gather moves int8 blocks (qwZ) and the reduce-scatter quantized blocks (qgZ). Written with
+`shard_map` because XLA's partitioner on CPU never emits reduce-scatter.
 
 `compute_copies` is the same cast and unscale without collectives, for steps that already run
 per device.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -46,20 +47,24 @@ def unscale(ct, scale, dtype):
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def device_copies(leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, mesh,
-                  comm: Comm, dtypes: tuple):
+def device_copies(
+    leaves: tuple, scale, store_specs: tuple, grad_specs: tuple, mesh, comm: Comm, dtypes: tuple
+):
     """Stacked full copies, one per device, of each leaf (see the module docstring); `comm`
     says over which axes, and whether quantized (qwZ, qgZ). `dtypes` = (per-leaf compute
     dtypes, each None to keep the leaf's; reduce dtype or None; per-leaf dtypes of `leaves`,
     the gradients' dtypes)."""
+
     def gather(*xs):
         out = []
-        for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0]):
+        for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0], strict=True):
             x = to_compute(x, compute_dtype)
             out.append(gather_weight(x, split_dim(spec, comm.shard_axis), comm, x.dtype)[None])
         return tuple(out)
-    return jax.shard_map(gather, mesh=mesh, in_specs=store_specs,
-                         out_specs=tuple(P(comm.data_axis) for _ in leaves))(*leaves)
+
+    return jax.shard_map(
+        gather, mesh=mesh, in_specs=store_specs, out_specs=tuple(P(comm.data_axis) for _ in leaves)
+    )(*leaves)
 
 
 def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes):
@@ -71,14 +76,17 @@ def _copies_bwd(store_specs, grad_specs, mesh, comm, dtypes, scale, cotangents):
 
     def reduce(*cts):
         out = []
-        for ct, spec in zip(cts, grad_specs):
-            out.append(reduce_gradient(ct[0], split_dim(spec, comm.shard_axis), comm,
-                                       reduce_dtype))
+        for ct, spec in zip(cts, grad_specs, strict=True):
+            out.append(reduce_gradient(ct[0], split_dim(spec, comm.shard_axis), comm, reduce_dtype))
         return tuple(out)
-    grads = jax.shard_map(reduce, mesh=mesh,
-                          in_specs=tuple(P(comm.data_axis) for _ in cotangents),
-                          out_specs=grad_specs)(*cotangents)
-    grads = tuple(unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes))
+
+    grads = jax.shard_map(
+        reduce,
+        mesh=mesh,
+        in_specs=tuple(P(comm.data_axis) for _ in cotangents),
+        out_specs=grad_specs,
+    )(*cotangents)
+    grads = tuple(unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes, strict=True))
     return grads, None if scale is None else jnp.zeros_like(scale)
 
 
@@ -89,7 +97,7 @@ device_copies.defvjp(_copies_fwd, _copies_bwd)
 def compute_copies(leaves: tuple, scale, dtypes: tuple):
     """Leaves cast to their compute dtypes; backward divides by the loss scale in fp32.
     `dtypes` = (per-leaf compute dtypes, per-leaf dtypes of `leaves`)."""
-    return tuple(to_compute(x, dt) for x, dt in zip(leaves, dtypes[0]))
+    return tuple(to_compute(x, dt) for x, dt in zip(leaves, dtypes[0], strict=True))
 
 
 def _compute_fwd(leaves, scale, dtypes):
@@ -98,7 +106,7 @@ def _compute_fwd(leaves, scale, dtypes):
 
 def _compute_bwd(dtypes, scale, cotangents):
     primal_dtypes = dtypes[1]
-    grads = tuple(unscale(g, scale, dt) for g, dt in zip(cotangents, primal_dtypes))
+    grads = tuple(unscale(g, scale, dt) for g, dt in zip(cotangents, primal_dtypes, strict=True))
     return grads, None if scale is None else jnp.zeros_like(scale)
 
 
@@ -117,9 +125,17 @@ def _scale_fwd(tree, scale):
 
 
 def _scale_bwd(scale, ct):
-    return (jax.tree_util.tree_map(lambda c: (c.astype(jnp.float32) * scale).astype(c.dtype)
-                                   if jnp.issubdtype(c.dtype, jnp.floating) else c, ct),
-            jnp.zeros_like(scale))
+    return (
+        jax.tree_util.tree_map(
+            lambda c: (
+                (c.astype(jnp.float32) * scale).astype(c.dtype)
+                if jnp.issubdtype(c.dtype, jnp.floating)
+                else c
+            ),
+            ct,
+        ),
+        jnp.zeros_like(scale),
+    )
 
 
 scale_cotangent.defvjp(_scale_fwd, _scale_bwd)

@@ -11,6 +11,7 @@ MiCS groups), the batch axes (`data`: all of them, in mesh order), and the ZeRO+
   inside the node.
 The functions below run inside `shard_map` on one device's values.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,15 +35,16 @@ def axis_name(axes):
 @dataclasses.dataclass(frozen=True)
 class Comm:
     """Axes and options of zerojax's explicit collectives (see the module docstring)."""
-    shard: tuple                  # ((axis, size), ...) the state is split over, outermost first
-    data: tuple                   # ((axis, size), ...) the batch is split over, mesh order
-    replica: tuple = ()           # ((axis, size), ...) MiCS: state replicated over these
-    weight_bits: int = 0          # 8: qwZ
+
+    shard: tuple  # ((axis, size), ...) the state is split over, outermost first
+    data: tuple  # ((axis, size), ...) the batch is split over, mesh order
+    replica: tuple = ()  # ((axis, size), ...) MiCS: state replicated over these
+    weight_bits: int = 0  # 8: qwZ
     weight_block: int = 256
-    grad_bits: int = 0            # 4 or 8: qgZ
+    grad_bits: int = 0  # 4 or 8: qgZ
     grad_block: int = 32
     secondary: str | None = None  # hpZ: the axis of the secondary copy
-    tensor: tuple = ()            # ((axis, size), ...) other mesh axes: the model's own (TP)
+    tensor: tuple = ()  # ((axis, size), ...) other mesh axes: the model's own (TP)
 
     @property
     def shard_axis(self):
@@ -73,42 +75,63 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
         names = cfg.axis if isinstance(cfg.axis, tuple) else (cfg.axis,)
         missing = [a for a in names if a not in sizes]
         if missing:
-            raise ZeroError(f"the mesh has axes {tuple(mesh.axis_names)}, not the config's axis "
-                            f"{cfg.axis!r}; pass axis= to match the mesh, or use "
-                            "zj.make_mesh(local=...) for a ('node', 'local') mesh.")
+            raise ZeroError(
+                f"the mesh has axes {tuple(mesh.axis_names)}, not the config's axis "
+                f"{cfg.axis!r}; pass axis= to match the mesh, or use "
+                "zj.make_mesh(local=...) for a ('node', 'local') mesh."
+            )
         data = shard = tuple((a, sizes[a]) for a in names)
     if (cfg.hpz_partition_size > 1 or cfg.mics_shard_size > 0) and not hierarchical:
-        raise ZeroError("hpZ (zero_hpz_partition_size) and MiCS (mics_shard_size) need a "
-                        "('node', 'local') mesh: pass mesh=zj.make_mesh(local=...) or leave "
-                        "mesh unset so zerojax builds one.")
-    for option, size in (("zero_hpz_partition_size", cfg.hpz_partition_size),
-                         ("mics_shard_size", cfg.mics_shard_size)):
+        raise ZeroError(
+            "hpZ (zero_hpz_partition_size) and MiCS (mics_shard_size) need a "
+            "('node', 'local') mesh: pass mesh=zj.make_mesh(local=...) or leave "
+            "mesh unset so zerojax builds one."
+        )
+    for option, size in (
+        ("zero_hpz_partition_size", cfg.hpz_partition_size),
+        ("mics_shard_size", cfg.mics_shard_size),
+    ):
         if size > 1 and sizes[LOCAL] != size:
-            raise ZeroError(f"{option}={size} must equal the mesh's 'local' axis size "
-                            f"({sizes[LOCAL]}): the group is the devices of one node.")
+            raise ZeroError(
+                f"{option}={size} must equal the mesh's 'local' axis size "
+                f"({sizes[LOCAL]}): the group is the devices of one node."
+            )
     replica = tuple(pair for pair in data if pair not in shard)
     tensor = tuple((a, sizes[a]) for a in mesh.axis_names if (a, sizes[a]) not in data)
-    hook_only = [name for name, on in (
-        ("quantized_weights", cfg.quantized_weights), ("quantized_gradients",
-        cfg.quantized_gradients), ("hpz_partition_size", cfg.hpz_partition_size > 1),
-        ("mics_shard_size", cfg.mics_shard_size > 0),
-        ("offload_activations", cfg.offload_activations)) if on]
+    hook_only = [
+        name
+        for name, on in (
+            ("quantized_weights", cfg.quantized_weights),
+            ("quantized_gradients", cfg.quantized_gradients),
+            ("hpz_partition_size", cfg.hpz_partition_size > 1),
+            ("mics_shard_size", cfg.mics_shard_size > 0),
+            ("offload_activations", cfg.offload_activations),
+        )
+        if on
+    ]
     if tensor and hook_only:
         raise ZeroError(
             f"{', '.join(hook_only)} need zerojax's own collectives, which a mesh with "
             f"tensor-parallel axes {tuple(a for a, _ in tensor)} does not use (XLA places every "
-            "collective there): turn them off or use a mesh of ZeRO axes only.")
+            "collective there): turn them off or use a mesh of ZeRO axes only."
+        )
     if tensor and cfg.accumulates_locally:
         raise ZeroError(
             f"local gradient accumulation runs the step per device over the whole mesh, which "
             f"would split the model's own axes {tuple(a for a, _ in tensor)} too: use "
-            "accumulate='reduced' on a mesh with tensor-parallel axes.")
-    return Comm(shard=shard, data=data, replica=replica, tensor=tensor,
-                weight_bits=8 if cfg.quantized_weights else 0,
-                weight_block=cfg.quantized_weights_block,
-                grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
-                grad_block=cfg.quantized_gradients_block,
-                secondary=LOCAL if cfg.hpz_partition_size > 1 else None)
+            "accumulate='reduced' on a mesh with tensor-parallel axes."
+        )
+    return Comm(
+        shard=shard,
+        data=data,
+        replica=replica,
+        tensor=tensor,
+        weight_bits=8 if cfg.quantized_weights else 0,
+        weight_block=cfg.quantized_weights_block,
+        grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
+        grad_block=cfg.quantized_gradients_block,
+        secondary=LOCAL if cfg.hpz_partition_size > 1 else None,
+    )
 
 
 def gather_weight(x, dim, comm: Comm, dtype):
@@ -134,8 +157,9 @@ def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
     if dim is None:
         return jax.lax.psum(g, comm.data_axis if replica else comm.shard_axis)
     if comm.grad_bits and jnp.issubdtype(g.dtype, jnp.floating):
-        g = quantized_reduce_scatter(g, dim, comm.shard, comm.grad_bits,
-                                     comm.grad_block).astype(g.dtype)
+        g = quantized_reduce_scatter(g, dim, comm.shard, comm.grad_bits, comm.grad_block).astype(
+            g.dtype
+        )
     else:
         g = jax.lax.psum_scatter(g, comm.shard_axis, scatter_dimension=dim, tiled=True)
     return jax.lax.psum(g, replica) if replica else g
@@ -148,7 +172,8 @@ def vary_over_replicas(tree, comm: Comm):
     if not comm.replica:
         return tree
     return jax.tree_util.tree_map(
-        lambda x: jax.lax.pcast(x, axis_name(comm.replica), to="varying"), tree)
+        lambda x: jax.lax.pcast(x, axis_name(comm.replica), to="varying"), tree
+    )
 
 
 def secondary_shard(full, dim, comm: Comm):

@@ -7,6 +7,7 @@ byte so the wire really carries half a byte per element. qwZ gathers such blocks
 a time (inside the node first, then across nodes), dequantizing and summing in fp32 between
 levels, so that only 1/local of the gradient crosses nodes and does so in 4 bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ def dequantize(codes, scale, bits: int, shape, dtype=jnp.float32):
     if bits == 4:
         codes = _unpack4(codes)
     flat = (codes.astype(jnp.float32) * scale[:, None]).reshape(-1)
-    return flat[:math.prod(shape)].reshape(shape).astype(dtype)
+    return flat[: math.prod(shape)].reshape(shape).astype(dtype)
 
 
 def _pack4(codes):
@@ -50,11 +51,11 @@ def quantized_all_gather(x, axis, dim: int, block: int, dtype):
     """qwZ: this device's shard `x`, gathered along `dim` over mesh `axis` as int8 blocks with
     fp32 scales, dequantized to `dtype`. Inside `shard_map`."""
     codes, scale = quantize(x, 8, block)
-    codes = jax.lax.all_gather(codes, axis)          # (n, blocks, block)
+    codes = jax.lax.all_gather(codes, axis)  # (n, blocks, block)
     scale = jax.lax.all_gather(scale, axis)
     parts = jax.vmap(lambda c, s: dequantize(c, s, 8, x.shape, dtype))(codes, scale)
-    full = jnp.moveaxis(parts, 0, dim)               # (..., n, x.shape[dim], ...)
-    return full.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
+    full = jnp.moveaxis(parts, 0, dim)  # (..., n, x.shape[dim], ...)
+    return full.reshape(*x.shape[:dim], -1, *x.shape[dim + 1 :])
 
 
 def quantized_reduce_scatter(g, dim: int, levels, bits: int, block: int):
@@ -68,10 +69,10 @@ def quantized_reduce_scatter(g, dim: int, levels, bits: int, block: int):
     x = x.reshape(*sizes, x.shape[0] // math.prod(sizes), *x.shape[1:])
     for k in reversed(range(len(levels))):
         name, _ = levels[k]
-        pieces = jnp.moveaxis(x, k, 0)               # one piece per peer on this level
+        pieces = jnp.moveaxis(x, k, 0)  # one piece per peer on this level
         shape = pieces.shape[1:]
         codes, scale = jax.vmap(lambda p: quantize(p, bits, block))(pieces)
         codes = jax.lax.all_to_all(codes, name, 0, 0, tiled=True)
         scale = jax.lax.all_to_all(scale, name, 0, 0, tiled=True)
-        x = jax.vmap(lambda c, s: dequantize(c, s, bits, shape))(codes, scale).sum(0)
+        x = jax.vmap(lambda c, s, shape=shape: dequantize(c, s, bits, shape))(codes, scale).sum(0)
     return jnp.moveaxis(x, 0, dim)

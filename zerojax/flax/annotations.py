@@ -7,16 +7,17 @@ maps logical names to mesh axes with `ZeroConfig.logical_rules` (or the rules of
 `nn.logical_axis_rules` context), strips the boxes and keeps one `TensorSpec` per parameter
 path. `rules.split_spec` then adds the ZeRO axis on a dimension the model left free.
 """
+
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.rules import (PARAMS, TensorSpec, category_of, path_str, spec_entry,
-                           spec_names)
+from zerojax.rules import PARAMS, TensorSpec, category_of, path_str, spec_entry, spec_names
 
 
 def _is_box(x) -> bool:
@@ -34,7 +35,8 @@ def read_linen_boxes(state, mesh, cfg: ZeroConfig):
             names = tuple(box.get_partition_spec())
             rules = tuple(getattr(box, "rules", None) or ())
             layouts[path_str(path[1:])] = tensor_spec(
-                names, box.unbox().shape, mesh, cfg, path_str(path[1:]), rules)
+                names, box.unbox().shape, mesh, cfg, path_str(path[1:]), rules
+            )
     return nn.meta.unbox(state), layouts
 
 
@@ -42,35 +44,41 @@ def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) 
     """The mesh axes a leaf's declared `names` (logical or mesh axes, one per dimension) map to,
     checked against the mesh, the ZeRO axes and the leaf's shape."""
     names = tuple(names) + (None,) * (len(shape) - len(names))
-    rules = {}
+    rules: dict[str, Any] = {}
     for name, axis in (*cfg.logical_rules, *extra_rules, *nn.get_logical_axis_rules()):
         rules.setdefault(name, axis)
     zero_axes = set(cfg.axis) if isinstance(cfg.axis, tuple) else {cfg.axis}
     sizes = dict(mesh.shape)
     axes, divisors = [], []
     for dim, name in enumerate(names):
-        resolved = []
+        resolved: list[str] = []
         for one in spec_names(name):
             axis = one if one in sizes else rules.get(one, KeyError)
             if axis is KeyError:
                 raise ZeroError(
                     f"parameter {path} declares axis {one!r} on dim {dim}, which is neither a "
                     f"mesh axis {tuple(mesh.axis_names)} nor in logical_rules: add a rule such "
-                    f"as ({one!r}, 'model') or ({one!r}, None).")
+                    f"as ({one!r}, 'model') or ({one!r}, None)."
+                )
             resolved += spec_names(axis)
         for axis in resolved:
             if axis in zero_axes:
                 raise ZeroError(
                     f"parameter {path} puts dim {dim} on {axis!r}, the axis ZeRO shards over: "
                     "zerojax places that axis itself; map the logical name to None or to a "
-                    "tensor-parallel axis.")
+                    "tensor-parallel axis."
+                )
             if axis not in sizes:
-                raise ZeroError(f"parameter {path}: logical rule maps dim {dim} to {axis!r}, "
-                                f"which is not an axis of the mesh {tuple(mesh.axis_names)}.")
+                raise ZeroError(
+                    f"parameter {path}: logical rule maps dim {dim} to {axis!r}, "
+                    f"which is not an axis of the mesh {tuple(mesh.axis_names)}."
+                )
         divisor = math.prod(sizes[a] for a in resolved)
         if shape[dim] % divisor:
-            raise ZeroError(f"parameter {path} (shape {tuple(shape)}) splits dim {dim} over "
-                            f"{resolved} ({divisor} devices), which does not divide it.")
+            raise ZeroError(
+                f"parameter {path} (shape {tuple(shape)}) splits dim {dim} over "
+                f"{resolved} ({divisor} devices), which does not divide it."
+            )
         axes.append(spec_entry(tuple(resolved)))
         divisors.append(divisor)
     return TensorSpec(tuple(axes), tuple(divisors))

@@ -18,6 +18,7 @@ in pinned host memory until its backward needs it. ZeRO++: the gathers may move 
 also keeps its node-local secondary shard of the gathered weights, and backward re-gathers
 from it inside the node instead of across all devices.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,24 +30,33 @@ import jax.numpy as jnp
 from flax.core.tracers import current_trace
 
 from zerojax.comm.gather import to_compute, unscale
-from zerojax.comm.hierarchy import (Comm, gather_secondary, gather_weight, reduce_gradient,
-                                    secondary_shard, vary_over_replicas)
+from zerojax.comm.hierarchy import (
+    Comm,
+    gather_secondary,
+    gather_weight,
+    reduce_gradient,
+    secondary_shard,
+    vary_over_replicas,
+)
 
-_CONTEXT = contextvars.ContextVar("zerojax_gather_context", default=None)
+_CONTEXT: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
+    "zerojax_gather_context", default=None
+)
 
 
 @dataclasses.dataclass
 class GatherContext:
     """What a gathering module needs inside a stage-3 step's per-device body."""
-    comm: Comm                # axes of the gathers and reduce-scatters; ZeRO++ options
-    split_dims: dict          # parameter path ('layers/Attention_0/query/kernel') -> dim or None
-    stored_ndim: dict         # the same paths -> ndim of the stored leaf (stacked when scanned)
-    compute_dtype: object     # None keeps the stored dtype
+
+    comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
+    split_dims: dict  # parameter path ('layers/Attention_0/query/kernel') -> dim or None
+    stored_ndim: dict  # the same paths -> ndim of the stored leaf (stacked when scanned)
+    compute_dtype: object  # None keeps the stored dtype
     reduce_dtype: object
-    scale: object = None      # fp16 loss scale (the cotangent arrives multiplied by it)
-    prefetch: int = 0         # layers ahead a gather may be issued (0 or 1)
-    offload_activations: bool = False   # keep each layer's saved input in pinned host memory
-    discover: bool = False    # only record which modules gather
+    scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
+    prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
+    offload_activations: bool = False  # keep each layer's saved input in pinned host memory
+    discover: bool = False  # only record which modules gather
     claimed: set = dataclasses.field(default_factory=set)
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
 
@@ -63,6 +73,7 @@ def gather_context(ctx: GatherContext):
 def gather_on_use(module_cls):
     """A subclass of the Flax module class `module_cls` whose parameters stage 3 gathers only
     while an instance runs (forward, then again in backward)."""
+
     class Gathered(module_cls):
         def __call__(self, *args, **kwargs):
             ctx = _CONTEXT.get()
@@ -73,15 +84,22 @@ def gather_on_use(module_cls):
                 ctx.claimed.add(prefix)
                 return super().__call__(*args, **kwargs)
             shards = self.variables["params"]
-            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(module_cls)
-                      if f.name not in ("parent", "name")}
-            plain = module_cls(**fields, parent=None)   # unbound: applied functionally
+            fields = {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(module_cls)
+                if f.name not in ("parent", "name")
+            }
+            plain = module_cls(**fields, parent=None)  # unbound: applied functionally
             apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
             dims = jax.tree_util.tree_map_with_path(
-                lambda p, x: _layer_dim(ctx, prefix, p, x), shards)
-            scanned = any(ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
-                          for p, x in jax.tree_util.tree_flatten_with_path(shards)[0])
+                lambda p, x: _layer_dim(ctx, prefix, p, x), shards
+            )
+            scanned = any(
+                ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
+                for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
+            )
             return layer_call(apply, dims, ctx, shards, args, kwargs, scanned)
+
     Gathered.__name__ = Gathered.__qualname__ = module_cls.__name__
     return Gathered
 
@@ -99,21 +117,27 @@ def _layer_dim(ctx, prefix, path, leaf):
         return -1
     dim -= ctx.stored_ndim[full] - leaf.ndim
     if dim < 0:
-        raise ValueError(f"zerojax: {full} is split along its layer axis, so a scanned layer "
-                         "cannot gather it alone; split another dimension (rules=...).")
+        raise ValueError(
+            f"zerojax: {full} is split along its layer axis, so a scanned layer "
+            "cannot gather it alone; split another dimension (rules=...)."
+        )
     return dim
 
 
 def _to_memory(tree, space):
     """The array leaves of `tree` copied to memory `space` (layer inputs saved on the host)."""
     return jax.tree_util.tree_map(
-        lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree)
+        lambda x: jax.device_put(x, space) if isinstance(x, jax.Array) else x, tree
+    )
 
 
 def _scalar(anchor):
     """A float32 scalar read from `anchor` (a pytree), or None when it holds no floats."""
-    leaves = [x for x in jax.tree_util.tree_leaves(anchor)
-              if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    leaves = [
+        x
+        for x in jax.tree_util.tree_leaves(anchor)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+    ]
     return leaves[0].reshape(-1)[0].astype(jnp.float32) if leaves else None
 
 
@@ -123,7 +147,8 @@ def _depend(tree, scalar):
         return tree
     zero = scalar * 0
     return jax.tree_util.tree_map(
-        lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+        lambda x: x + zero.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+    )
 
 
 def _anchor(ctx, direction: str, own, scanned: bool):
@@ -147,30 +172,44 @@ def _gather(shards, dims, ctx):
     def one(x, dim):
         x = to_compute(x, ctx.compute_dtype)
         return gather_weight(x, None if dim < 0 else dim, ctx.comm, x.dtype)
+
     return jax.tree_util.tree_map(one, shards, dims)
 
 
 def _scatter(grads, dims, shards, ctx, scale):
     return jax.tree_util.tree_map(
-        lambda g, dim, x: unscale(reduce_gradient(g, None if dim < 0 else dim, ctx.comm,
-                                                  ctx.reduce_dtype, replicas=False),
-                                  scale, x.dtype),
-        grads, dims, shards)
+        lambda g, dim, x: unscale(
+            reduce_gradient(
+                g, None if dim < 0 else dim, ctx.comm, ctx.reduce_dtype, replicas=False
+            ),
+            scale,
+            x.dtype,
+        ),
+        grads,
+        dims,
+        shards,
+    )
 
 
 def _secondary(params, dims, ctx) -> list:
     """hpZ: per split leaf, this device's node-local slice of the gathered weight."""
     flat, dims = jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(dims)
-    return [secondary_shard(p, d, ctx.comm) for p, d in zip(flat, dims) if d >= 0]
+    return [secondary_shard(p, d, ctx.comm) for p, d in zip(flat, dims, strict=True) if d >= 0]
 
 
 def _from_secondary(secondary: list, shards, dims, ctx):
     """hpZ: the layer's weights re-gathered inside the node (whole leaves from their shard)."""
     flat, tree = jax.tree_util.tree_flatten(shards)
     parts = iter(secondary)
-    return jax.tree_util.tree_unflatten(tree, [
-        to_compute(x, ctx.compute_dtype) if d < 0 else gather_secondary(next(parts), d, ctx.comm)
-        for x, d in zip(flat, jax.tree_util.tree_leaves(dims))])
+    return jax.tree_util.tree_unflatten(
+        tree,
+        [
+            to_compute(x, ctx.compute_dtype)
+            if d < 0
+            else gather_secondary(next(parts), d, ctx.comm)
+            for x, d in zip(flat, jax.tree_util.tree_leaves(dims), strict=True)
+        ],
+    )
 
 
 def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
@@ -187,13 +226,16 @@ def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
         secondary = _secondary(params, dims, ctx) if hpz else []
         return apply(params, args, kwargs), (shards, secondary, saved, anchor, scale)
 
-    def bwd(res, ct):   # the loss scale arrives as a residual: bwd runs in another trace
+    def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
         shards, secondary, args, anchor, scale = res
         if ctx.offload_activations:
             args = _to_memory(args, jax.memory.Space.Device)
         wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
-        params = _from_secondary(_depend(secondary, wait), shards, dims, ctx) if hpz \
+        params = (
+            _from_secondary(_depend(secondary, wait), shards, dims, ctx)
+            if hpz
             else _gather(_depend(shards, wait), dims, ctx)
+        )
         _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
         dparams, dargs = vjp(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)

@@ -8,6 +8,7 @@ as `nnx.jit` does. `NnxStep` runs `fn(model, optimizer, batch, *extra)` that way
 the caller's objects in place. Sharding metadata on NNX variables (`nnx.with_partitioning`)
 becomes the parameters' tensor-parallel layout, as Linen's boxes do.
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,7 +26,8 @@ FIELDS = ("params", "opt_state", "other")
 NNX_UNMANAGED = (
     "with NNX objects zerojax does not manage the update: keep precision='fp32' (give the "
     "model a bf16 dtype for 16-bit compute), and put clipping and accumulation in the optax "
-    "chain (optax.clip_by_global_norm, optax.MultiSteps).")
+    "chain (optax.clip_by_global_norm, optax.MultiSteps)."
+)
 
 
 def nnx_building():
@@ -50,20 +52,22 @@ class NnxLayout:
         # when one object holds a whole field (the usual model + optimizer), its index is
         # dropped, so optimizer paths end with their parameter's path ('mu/layer/kernel')
         self.heads = [_single_key(s) for s in states]
-        self.state = self._pure(states)     # the objects' dict state as they are now
+        self.state = self._pure(states)  # the objects' dict state as they are now
 
     def to_state(self, objs: tuple) -> dict:
         """The dict state of `objs` (objects of this layout, e.g. after a traced step)."""
         return self._pure(nnx.split(objs, nnx.Param, nnx.OptState, ...)[1:])
 
     def _pure(self, states) -> dict:
-        return {field: _strip(nnx.to_pure_dict(state), head)
-                for field, state, head in zip(FIELDS, states, self.heads)}
+        return {
+            field: _strip(nnx.to_pure_dict(state), head)
+            for field, state, head in zip(FIELDS, states, self.heads, strict=True)
+        }
 
     def _states(self, state: dict) -> list:
         out = []
-        for field, template, head in zip(FIELDS, self.templates, self.heads):
-            fresh = jax.tree_util.tree_map(lambda x: x, template)   # new Variables
+        for field, template, head in zip(FIELDS, self.templates, self.heads, strict=True):
+            fresh = jax.tree_util.tree_map(lambda x: x, template)  # new Variables
             pure = state[field] if head is None else {head: state[field]}
             if pure:
                 nnx.replace_by_pure_dict(fresh, pure)
@@ -84,12 +88,16 @@ class NnxLayout:
         shapes = _strip(nnx.to_pure_dict(self.templates[0]), self.heads[0])
         out = {}
         for (path, spec), shape in zip(
-                jax.tree_util.tree_flatten_with_path(
-                    specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0],
-                jax.tree_util.tree_leaves(shapes)):
+            jax.tree_util.tree_flatten_with_path(
+                specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+            )[0],
+            jax.tree_util.tree_leaves(shapes),
+            strict=True,
+        ):
             if any(e is not None for e in spec):
-                out[path_str(path)] = tensor_spec(tuple(spec), shape.shape, mesh, cfg,
-                                                  path_str(path))
+                out[path_str(path)] = tensor_spec(
+                    tuple(spec), shape.shape, mesh, cfg, path_str(path)
+                )
         return out
 
 
@@ -122,9 +130,11 @@ def split_args(args: tuple) -> tuple:
     """(objects, batch, extra) of a call `step(model, optimizer, ..., batch, *extra)`."""
     count = next((i for i, a in enumerate(args) if not is_nnx(a)), len(args))
     if count == len(args):
-        raise ZeroError("an NNX zerojax step is called as step(model, optimizer, ..., batch, "
-                        "*extra): no batch came after the NNX objects.")
-    return args[:count], args[count], args[count + 1:]
+        raise ZeroError(
+            "an NNX zerojax step is called as step(model, optimizer, ..., batch, "
+            "*extra): no batch came after the NNX objects."
+        )
+    return args[:count], args[count], args[count + 1 :]
 
 
 class NnxStep:
@@ -139,7 +149,8 @@ class NnxStep:
     def __call__(self, *args):
         objs, batch, extra = split_args(args)
         jitted, shardings, layout, batch = self._prepare(objs, batch, extra)
-        from zerojax.step import _check_placed      # (step imports this module)
+        from zerojax.step import _check_placed  # (step imports this module)
+
         _check_placed(layout.state, shardings)
         new_state, out = jitted(layout.state, batch, *extra)
         layout.update(objs, new_state)
@@ -158,9 +169,13 @@ class NnxStep:
             raise ZeroError(NNX_UNMANAGED)
         batch = self.zero.place_batch(batch)
         layout = NnxLayout(objs)
-        key = (jax.tree_util.tree_structure((layout.state, batch, extra)), layout.graphdef,
-               tuple(getattr(x, "shape", ()) for x in
-                     jax.tree_util.tree_leaves((layout.state, batch))))
+        key = (
+            jax.tree_util.tree_structure((layout.state, batch, extra)),
+            layout.graphdef,
+            tuple(
+                getattr(x, "shape", ()) for x in jax.tree_util.tree_leaves((layout.state, batch))
+            ),
+        )
         if key not in self._jitted:
             shardings = self.zero.state_shardings(layout.state)
             if cfg.explicit_collectives and cfg.stage >= 2 and not self._jitted:
@@ -168,13 +183,18 @@ class NnxStep:
                     "zerojax: NNX steps leave every collective to XLA's partitioner (the "
                     "per-device apply_fn hook and gather_on_use are Linen's): the state is "
                     f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
-                    "not reduce-scattered.", stacklevel=4)
+                    "not reduce-scattered.",
+                    stacklevel=4,
+                )
 
             def traced(state, batch, *extra):
                 state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
                 objs = layout.merge(state)
                 out = self.fn(*objs, batch, *extra)
                 return to_storage(layout.to_state(objs), shardings), out
-            self._jitted[key] = (jax.jit(traced, donate_argnums=(0,) if cfg.donate else ()),
-                                 shardings)
+
+            self._jitted[key] = (
+                jax.jit(traced, donate_argnums=(0,) if cfg.donate else ()),
+                shardings,
+            )
         return (*self._jitted[key], layout, batch)

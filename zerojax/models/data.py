@@ -2,6 +2,7 @@
 (the Python standard library's own source files), the user's text files, or pre-tokenized
 uint16 token files, with a fixed held-out split and deterministic batches by step.
 """
+
 from __future__ import annotations
 
 import glob
@@ -9,7 +10,7 @@ import os
 
 import numpy as np
 
-HELD_OUT = 0.05   # the last 5% of the tokens: never trained on
+HELD_OUT = 0.05  # the last 5% of the tokens: never trained on
 
 
 def stdlib_tokens(limit_bytes: int = 4 << 20) -> np.ndarray:
@@ -25,8 +26,9 @@ def stdlib_tokens(limit_bytes: int = 4 << 20) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), np.uint8)
 
 
-def random_windows(tokens: np.ndarray, steps: int, batch_size: int, seq_len: int,
-                   seed: int = 0) -> list[np.ndarray]:
+def random_windows(
+    tokens: np.ndarray, steps: int, batch_size: int, seq_len: int, seed: int = 0
+) -> list[np.ndarray]:
     """`steps` batches of `batch_size` random windows of `seq_len + 1` tokens (int32)."""
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(tokens) - seq_len - 1, (steps, batch_size))
@@ -38,15 +40,17 @@ def load_tokens(spec: str | None) -> tuple[np.ndarray, str]:
     uint16 tokens (memory-mapped, never read whole); otherwise text files or globs as bytes."""
     if spec is None:
         return stdlib_tokens(), "Python standard library source (embedded default), bytes"
-    paths = sorted(p for pattern in spec.split(",") for p in glob.glob(os.path.expanduser(
-        pattern)))
+    paths = sorted(p for pattern in spec.split(",") for p in glob.glob(os.path.expanduser(pattern)))
     if not paths:
         raise FileNotFoundError(f"--data {spec!r} matches no file.")
     if all(p.endswith((".bin", ".npy")) for p in paths):
         if len(paths) > 1:
             raise ValueError("give one pre-tokenized uint16 file (concatenate them first).")
-        mm = np.load(paths[0], mmap_mode="r") if paths[0].endswith(".npy") else \
-            np.memmap(paths[0], np.uint16, mode="r")
+        mm = (
+            np.load(paths[0], mmap_mode="r")
+            if paths[0].endswith(".npy")
+            else np.memmap(paths[0], np.uint16, mode="r")
+        )
         return mm, f"{paths[0]} (uint16 tokens, memory-mapped)"
     data = b"".join(open(p, "rb").read() for p in paths)
     return np.frombuffer(data, np.uint8), f"{len(paths)} text file(s), bytes"
@@ -67,8 +71,9 @@ class Batches:
 
     def _windows(self, tokens, rng, n, rows):
         starts = rng.integers(0, len(tokens) - self.seq_len - 1, n)[rows]
-        return np.stack([np.asarray(tokens[s:s + self.seq_len + 1]) for s in starts]
-                        ).astype(np.int32)
+        return np.stack([np.asarray(tokens[s : s + self.seq_len + 1]) for s in starts]).astype(
+            np.int32
+        )
 
     def train_batch(self, position: int, rows=slice(None)) -> np.ndarray:
         rng = np.random.default_rng((self.seed, position))
@@ -76,6 +81,5 @@ class Batches:
 
     def eval_batches(self, count: int, rows=slice(None)) -> list[np.ndarray]:
         """The same `count` held-out batches every time (fixed seed)."""
-        rng = np.random.default_rng((self.seed, 1 << 40))   # apart from any position
-        return [self._windows(self.held_out, rng, self.global_batch, rows)
-                for _ in range(count)]
+        rng = np.random.default_rng((self.seed, 1 << 40))  # apart from any position
+        return [self._windows(self.held_out, rng, self.global_batch, rows) for _ in range(count)]

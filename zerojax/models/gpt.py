@@ -3,6 +3,7 @@
 Layers are unrolled (one module per block) so each layer's parameters are separate leaves.
 It knows nothing of sharding: zerojax wraps its unchanged train step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    vocab: int = 203          # deliberately not a multiple of 8: exercises the replicate policy
+    vocab: int = 203  # deliberately not a multiple of 8: exercises the replicate policy
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
@@ -39,7 +40,9 @@ class Block(nn.Module):
         cfg = self.cfg
         h = nn.LayerNorm()(x)
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
-        x = x + nn.MultiHeadDotProductAttention(num_heads=cfg.n_heads, use_bias=False)(h, h, mask=mask)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=cfg.n_heads, use_bias=False)(
+            h, h, mask=mask
+        )
         h = nn.LayerNorm()(x)
         h = nn.Dense(cfg.d_ff)(h)
         return x + nn.Dense(cfg.d_model)(nn.gelu(h))
@@ -52,8 +55,12 @@ class GPT(nn.Module):
     def __call__(self, tokens):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab, cfg.d_model)(tokens)
-        x = x + self.param("pos", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))[
-            : tokens.shape[1]]
+        x = (
+            x
+            + self.param("pos", nn.initializers.normal(0.02), (cfg.seq_len, cfg.d_model))[
+                : tokens.shape[1]
+            ]
+        )
         for i in range(cfg.n_layers):
             x = Block(cfg, name=f"block_{i}")(x)
         return nn.Dense(cfg.vocab, name="head")(nn.LayerNorm()(x))
@@ -66,8 +73,10 @@ def make_init(model, tx):
 
     def init_fn(key):
         tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
-        return train_state.TrainState.create(apply_fn=model.apply,
-                                             params=model.init(key, tokens)["params"], tx=tx)
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=model.init(key, tokens)["params"], tx=tx
+        )
+
     return init_fn
 
 
@@ -79,5 +88,6 @@ def train_step(state, batch):
     def loss_fn(params):
         logits = state.apply_fn({"params": params}, batch[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), {"loss": loss}

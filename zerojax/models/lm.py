@@ -3,6 +3,7 @@ position embeddings, SwiGLU MLP, causal multi-head attention, tied or untied emb
 Layers are scanned (`nn.scan`, one stacked parameter per weight) or unrolled, and optionally
 rematerialised. It knows nothing of ZeRO: zerojax wraps its unchanged train step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,7 +22,7 @@ class LMConfig:
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    d_ff: int = 352              # SwiGLU hidden width (Llama: about 8/3 d_model, rounded)
+    d_ff: int = 352  # SwiGLU hidden width (Llama: about 8/3 d_model, rounded)
     seq_len: int = 128
     tie_embeddings: bool = True
     scan_layers: bool = True
@@ -33,7 +34,7 @@ class LMConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
-    def replace(self, **kw) -> "LMConfig":
+    def replace(self, **kw) -> LMConfig:
         return dataclasses.replace(self, **kw)
 
 
@@ -41,14 +42,18 @@ class LMConfig:
 LM_PRESETS = {
     "tiny": LMConfig(),
     "small": LMConfig(d_model=256, n_layers=6, n_heads=8, d_ff=704, seq_len=256),
-    "125m": LMConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, d_ff=2048,
-                     seq_len=1024),
-    "350m": LMConfig(vocab=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=2816,
-                     seq_len=1024),
-    "1.3b": LMConfig(vocab=50304, d_model=2048, n_layers=24, n_heads=16, d_ff=5504,
-                     seq_len=2048),
-    "7b": LMConfig(vocab=32000, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
-                   seq_len=4096, tie_embeddings=False),
+    "125m": LMConfig(vocab=50304, d_model=768, n_layers=12, n_heads=12, d_ff=2048, seq_len=1024),
+    "350m": LMConfig(vocab=50304, d_model=1024, n_layers=24, n_heads=16, d_ff=2816, seq_len=1024),
+    "1.3b": LMConfig(vocab=50304, d_model=2048, n_layers=24, n_heads=16, d_ff=5504, seq_len=2048),
+    "7b": LMConfig(
+        vocab=32000,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        d_ff=11008,
+        seq_len=4096,
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -69,8 +74,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        dense = lambda name: nn.DenseGeneral((cfg.n_heads, cfg.head_dim), use_bias=False,
-                                             name=name)
+        dense = lambda name: nn.DenseGeneral((cfg.n_heads, cfg.head_dim), use_bias=False, name=name)
         q, k, v = dense("query")(x), dense("key")(x), dense("value")(x)
         q, k = rotary(q, cfg.rope_theta), rotary(k, cfg.rope_theta)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(cfg.head_dim).astype(q.dtype)
@@ -83,6 +87,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
+
     cfg: LMConfig
 
     @nn.compact
@@ -104,6 +109,7 @@ class Block(nn.Module):
     separate units (as DeepSpeed gathers each submodule: a layer never holds all its weights
     at once; each unit is recomputed in backward from its input). With remat, the LM
     rematerialises and gathers the whole block as one unit (saving only the block's input)."""
+
     cfg: LMConfig
 
     @nn.compact
@@ -121,14 +127,15 @@ class LM(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         cfg = self.cfg
-        embed = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=nn.initializers.normal(0.02),
-                         name="embed")
+        embed = nn.Embed(
+            cfg.vocab, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embed"
+        )
         x = embed(tokens)
-        block = _gathered(nn.remat(Block, prevent_cse=not cfg.scan_layers)) if cfg.remat \
-            else Block
+        block = _gathered(nn.remat(Block, prevent_cse=not cfg.scan_layers)) if cfg.remat else Block
         if cfg.scan_layers:
-            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                            length=cfg.n_layers)
+            stack = nn.scan(
+                block, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.n_layers
+            )
             x, _ = stack(cfg, name="layers")(x, None)
         else:
             for i in range(cfg.n_layers):
@@ -141,6 +148,7 @@ class LM(nn.Module):
 
 def param_count(cfg: LMConfig) -> int:
     """Parameters of `cfg`, from shapes only (nothing is allocated)."""
-    shapes = jax.eval_shape(LM(cfg).init, jax.random.key(0),
-                            jnp.zeros((1, min(cfg.seq_len, 8)), jnp.int32))
+    shapes = jax.eval_shape(
+        LM(cfg).init, jax.random.key(0), jnp.zeros((1, min(cfg.seq_len, 8)), jnp.int32)
+    )
     return sum(x.size for x in jax.tree_util.tree_leaves(shapes))
