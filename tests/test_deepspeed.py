@@ -81,7 +81,7 @@ def test_a_deepspeed_users_config_is_read_and_explained():
         cfg.train_batch_size,
         cfg.micro_batch_size,
     ) == (3, "fp16", "cpu", "cpu", 1, 100000, 1.0, 0.0, 4, 32, 2)
-    rows, _, unknown = ds.explain(SEED)
+    rows, _, unknown = ds.explain(SEED, zj.ZeroConfig.defaults())
     kinds = {r.key: r.kind for r in rows}
     # one row per key: 8 top-level, 12 in zero_optimization, 2 x 2 offload keys, 5 fp16 keys
     assert not unknown and len(kinds) == 8 + 12 + 4 + 5

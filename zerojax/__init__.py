@@ -6,6 +6,7 @@ _xla_flags.apply_defaults()  # before anything starts JAX's backend
 
 from zerojax.config import ZeroConfig, ZeroError  # noqa: E402
 from zerojax.engine import ZeroShard, zero_shard  # noqa: E402
+from zerojax.errors import ZeroWarning  # noqa: E402
 from zerojax.mesh import make_mesh  # noqa: E402
 from zerojax.step import ZeroStep  # noqa: E402
 
@@ -15,6 +16,7 @@ __all__ = [
     "ZeroConfig",
     "ZeroShard",
     "ZeroStep",
+    "ZeroWarning",
     "make_mesh",
     "zero_shard",
 ]

@@ -137,6 +137,7 @@ class CheckpointManager:
         )
         self._sigterm = False
         self._unsaved: tuple[int, Any] | None = None  # a step save() offered but skipped
+        self._handlers: tuple | None = None  # (ours, the SIGTERM handler before ours)
         if save_on_preemption:
             previous = signal.getsignal(signal.SIGTERM)
 
@@ -146,6 +147,7 @@ class CheckpointManager:
                     previous(signum, frame)
 
             signal.signal(signal.SIGTERM, on_sigterm)
+            self._handlers = (on_sigterm, previous)
 
     def save(self, step: int, state, extra: dict | None = None, *, force: bool = False) -> bool:
         """Start saving `state` (and JSON-able `extra`) as `step` if the interval says so, or
@@ -251,8 +253,15 @@ class CheckpointManager:
         self._mgr.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the saves in flight, close orbax's manager and give SIGTERM back to the
+        handler it had before this manager (unless someone replaced ours since)."""
         self._mgr.wait_until_finished()
         self._mgr.close()
+        if self._handlers is not None:
+            ours, previous = self._handlers
+            if signal.getsignal(signal.SIGTERM) is ours:
+                signal.signal(signal.SIGTERM, previous)
+            self._handlers = None
 
     def __enter__(self):
         return self

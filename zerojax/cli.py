@@ -349,7 +349,7 @@ def config(args) -> int:
     try:
         with open(config_path(args.file)) as f:
             data = json.load(f)
-        rows, options, unknown = explain(data)
+        rows, options, unknown = explain(data, ZeroConfig.defaults())
         resolved = ZeroConfig(**options)
         if args.devices:
             resolved = resolved.for_devices(args.devices)

@@ -6,23 +6,16 @@ This module imports no jax, so configs can be built, validated and explained any
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from zerojax.deepspeed import options_from_deepspeed
+from zerojax.errors import ZeroError, nearest
 
-class ZeroError(ValueError):
-    """A user mistake zerojax detected (config, state, batch or step); the message says what
-    to change."""
-
-
-def nearest(name: str, choices) -> str:
-    """' (did you mean X?)' for the closest valid name, or '' when nothing is close."""
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+__all__ = ["ZeroConfig", "ZeroError", "config_path", "presets", "resolve_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +406,11 @@ class ZeroConfig:
         )
 
     @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """{option: default} for every option."""
+        return {f.name: f.default for f in dataclasses.fields(cls)}
+
+    @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
@@ -432,8 +430,6 @@ class ZeroConfig:
         cls, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
     ) -> ZeroConfig:
         """Read a DeepSpeed-style JSON config (a path or an already loaded dict)."""
-        from zerojax.deepspeed import options_from_deepspeed
-
         if isinstance(source, Mapping):
             data = dict(source)
         else:
@@ -443,7 +439,7 @@ class ZeroConfig:
                     data = json.load(f)
             except json.JSONDecodeError as e:
                 raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
-        return cls(**options_from_deepspeed(data, strict=strict))
+        return cls(**options_from_deepspeed(data, strict=strict, defaults=cls.defaults()))
 
 
 PRESETS_DIR = os.path.join(os.path.dirname(__file__), "configs")

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from zerojax.config import ZeroConfig, ZeroError, nearest
+from zerojax.errors import ZeroError, ZeroWarning, nearest
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
 AUTO = "auto"
@@ -262,9 +262,12 @@ TOP_LEVEL = {
 }
 
 
-def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
+def explain(
+    data: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> tuple[list[Row], dict, list[str]]:
     """(a Row per key, the ZeroConfig options, names of unknown keys) for a DeepSpeed dict.
-    Raises ZeroError for values that cannot be read and for ERROR keys."""
+    Raises ZeroError for values that cannot be read and for ERROR keys. `defaults`
+    (`ZeroConfig.defaults()`) gives the value an 'auto' key resolves to."""
     if not isinstance(data, Mapping):
         raise ZeroError(f"a DeepSpeed config is a JSON object; got {type(data).__name__}.")
     rows, options, unknown = [], {}, []
@@ -319,7 +322,7 @@ def explain(data: Mapping[str, Any]) -> tuple[list[Row], dict, list[str]]:
         entry = ZERO_OPTIMIZATION[key]
         if value == AUTO:  # HF's "auto": zerojax's default, reported
             option = entry.why.split()[0]
-            return {option: getattr(ZeroConfig(), option)} if hasattr(ZeroConfig, option) else {}
+            return {option: defaults[option]} if defaults and option in defaults else {}
         return entry.act(name, value)
 
     walk(data, TOP_LEVEL, "", top)
@@ -358,22 +361,29 @@ def _precision(key, name, value, rows, options, walk) -> dict:
     return {}
 
 
-def options_from_deepspeed(data: Mapping[str, Any], strict: bool = True) -> dict:
+def options_from_deepspeed(
+    data: Mapping[str, Any], strict: bool = True, defaults: Mapping[str, Any] | None = None
+) -> dict:
     """ZeroConfig keyword arguments for a DeepSpeed config dict: IGNORED keys warn once (one
     warning listing them all), unknown keys fail (strict) or warn."""
-    rows, options, unknown = explain(data)
+    rows, options, unknown = explain(data, defaults)
     if unknown:
         if strict:
             raise ZeroError(
                 "; ".join(unknown) + " (ZeroConfig.from_json(..., strict=False) "
                 "proceeds without them)."
             )
-        warnings.warn("zerojax proceeds WITHOUT these keys: " + "; ".join(unknown), stacklevel=3)
+        warnings.warn(
+            "zerojax proceeds WITHOUT these keys: " + "; ".join(unknown),
+            category=ZeroWarning,
+            stacklevel=3,
+        )
     ignored = [r for r in rows if r.kind == IGNORED]
     if ignored:
         warnings.warn(
             "zerojax accepts these DeepSpeed keys but they have no effect here:\n"
             + "\n".join(f"  {r.key}: {r.what}" for r in ignored),
+            category=ZeroWarning,
             stacklevel=3,
         )
     return options

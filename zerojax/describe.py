@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from zerojax.config import ZeroError
+from zerojax.errors import ZeroWarning
 from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str
 
 WARN_FRACTION = 0.01
@@ -92,7 +93,7 @@ def describe(zero, state, tolerance: float | None = None) -> Description:
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
             sharding = want
-        shape, dtype = tuple(np.shape(leaf)), np.dtype(leaf.dtype)
+        shape, dtype = tuple(np.shape(leaf)), leaf.dtype  # numpy or typed PRNG key dtype
         cat = category_of(path)
         split = bool(shape) and (
             cat == OPT_STATE and zero.config.stage >= 1 or cat == PARAMS and zero.config.stage == 3
@@ -127,6 +128,7 @@ def describe(zero, state, tolerance: float | None = None) -> Description:
         warnings.warn(
             f"zerojax: {fraction:.2%} of the bytes stage {zero.config.stage} should "
             f"split stay replicated on every device; largest: {names}.",
+            category=ZeroWarning,
             stacklevel=3,
         )
     return out

@@ -20,12 +20,13 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.hierarchy import comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
+from zerojax.errors import ZeroWarning
 from zerojax.flax.annotations import read_linen_boxes
 from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building, nnx_state
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
-from zerojax.rules import DEVICE, LeafPlan, path_str, plan_state
+from zerojax.rules import DEVICE, LeafPlan, params_key, path_str, plan_state
 from zerojax.step import ZeroStep
 
 if TYPE_CHECKING:
@@ -53,19 +54,26 @@ class ZeroShard:
         self.shard_size = self.comm.shard_size  # devices that split the state
         # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
         self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
-        self.tensor: dict = {}  # parameter path -> TensorSpec the model declares (read by `adopt`)
+        # the tensor-parallel layouts models declare, read once when a state is adopted:
+        # {parameters' (path, shape) tuple: {parameter path: TensorSpec}}, so that one zero
+        # used with several models keeps each model's layouts apart
+        self._tensor_layouts: dict[tuple, dict] = {}
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
 
     # ---- placement -------------------------------------------------------------------------
     def plan(self, state: PyTree) -> list[LeafPlan]:
-        """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape."""
-        return plan_state(state, self.config, self.shard_size, self.tensor)[1]
+        """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
+        (NNX objects: for their dict state, see zerojax.flax.nnx)."""
+        state = nnx_state(state) if is_nnx(state) else state
+        return plan_state(state, self.config, self.shard_size, self.tensor_layout(state))[1]
 
     def state_shardings(self, state: PyTree) -> PyTree:
-        """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives."""
-        specs, plans = plan_state(state, self.config, self.shard_size, self.tensor)
+        """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
+        (NNX objects: one per leaf of their dict state `{params, opt_state, other}`)."""
+        state = nnx_state(state) if is_nnx(state) else state
+        specs, plans = plan_state(state, self.config, self.shard_size, self.tensor_layout(state))
         treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
         return jax.tree_util.tree_unflatten(
             treedef,
@@ -77,11 +85,17 @@ class ZeroShard:
             ],
         )
 
+    def tensor_layout(self, state: PyTree) -> dict:
+        """{parameter path: TensorSpec} the model of `state` declared when its state was
+        adopted (empty for a model that declares none, or one this zero has not seen)."""
+        return self._tensor_layouts.get(params_key(state), {})
+
     def adopt(self, state: PyTree) -> PyTree:
         """`state` without the model's partitioning boxes (`nn.with_logical_partitioning`...),
-        whose tensor-parallel layouts this zero remembers for its rules."""
+        whose tensor-parallel layouts this zero remembers for states of this model."""
         state, layouts = read_linen_boxes(state, self.mesh, self.config)
-        self.tensor.update(layouts)
+        if layouts or params_key(state) not in self._tensor_layouts:
+            self._tensor_layouts[params_key(state)] = layouts
         return state
 
     def manage(self, state: PyTree) -> PyTree:
@@ -100,7 +114,7 @@ class ZeroShard:
             state, objects = self._adopt_nnx(state)
         abstract = jax.eval_shape(self.manage, state)
         placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
-        self._check_logical_rules_used()
+        self._check_logical_rules_used(abstract)
         return placed if objects is None else objects(placed)
 
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
@@ -118,15 +132,16 @@ class ZeroShard:
             return to_storage(state, self.state_shardings(state))
 
         state = jax.jit(make)(*args, **kwargs)
-        self._check_logical_rules_used()
+        self._check_logical_rules_used(state)
         return objects[0](state) if objects else state
 
-    def _check_logical_rules_used(self):
-        if self.config.logical_rules and not self.tensor:
+    def _check_logical_rules_used(self, state):
+        if self.config.logical_rules and not self.tensor_layout(state):
             warnings.warn(
                 "zerojax: logical_rules has nothing to map: the model declares no "
                 "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
                 "so only ZeRO's axis splits the state.",
+                category=ZeroWarning,
                 stacklevel=3,
             )
 
@@ -137,19 +152,25 @@ class ZeroShard:
             raise ZeroError(NNX_UNMANAGED)
         objs, shape_back = as_objects(out)
         layout = NnxLayout(objs)
-        self.tensor.update(layout.tensor_specs(self.mesh, self.config))
+        self._tensor_layouts[params_key(layout.state)] = layout.tensor_specs(self.mesh, self.config)
         return layout.state, lambda state: shape_back(layout.merge(state))
 
     def eval_shape(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
-        compile and report a step for a model too large to allocate (nothing is allocated)."""
-        make = lambda *a, **k: self.manage(init_fn(*a, **k))
-        abstract = jax.eval_shape(make, *args, **kwargs)
-        return jax.tree_util.tree_map(
+        compile and report a step for a model too large to allocate (nothing is allocated).
+        NNX objects come back as abstract objects whose variables hold them."""
+        with nnx_building():
+            out = jax.eval_shape(init_fn, *args, **kwargs)
+        back = None
+        if is_nnx(out):
+            out, back = self._adopt_nnx(out)
+        abstract = jax.eval_shape(self.manage, out)
+        placed = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract,
             self.state_shardings(abstract),
         )
+        return placed if back is None else back(placed)
 
     def batch_sharding(self, leaf) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
@@ -214,6 +235,11 @@ class ZeroShard:
         device reading only its own slice (see zerojax.interop)."""
         from zerojax.interop import load_safetensors
 
+        if is_nnx(state):  # NNX objects: new objects holding the loaded state
+            objs, shape_back = as_objects(state)
+            layout = NnxLayout(objs)
+            loaded = load_safetensors(self, layout.state, path, names=names, transpose=transpose)
+            return shape_back(layout.merge(loaded))
         return load_safetensors(self, state, path, names=names, transpose=transpose)
 
     def describe(

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
 from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
@@ -88,6 +89,7 @@ def hooked_apply_fn(
                 "zj.flax.gather_on_use modules, so its parameters are gathered once "
                 "per step and kept for backward (no backward gather to keep inside "
                 "the node). Wrap its layers with gather_on_use.",
+                category=ZeroWarning,
                 stacklevel=2,
             )
         whole = [i for i, c in enumerate(claimed) if not c]

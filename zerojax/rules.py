@@ -15,9 +15,11 @@ import re
 import warnings
 
 import jax
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.errors import ZeroWarning
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
 PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
@@ -36,10 +38,11 @@ class LeafPlan:
     spec: P
     reason: str  # 'sharded dim 1', 'replicated: below persistence threshold', ...
     memory: str = DEVICE  # memory kind at rest: DEVICE, or HOST when offloaded
+    itemsize: int = 4  # bytes per element (a typed PRNG key: its key data's)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * jax.numpy.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * self.itemsize
 
 
 def key_name(key) -> str:
@@ -130,6 +133,16 @@ def category_of(path) -> str:
     return head if head in (PARAMS, OPT_STATE) else OTHER
 
 
+def params_key(state) -> tuple:
+    """The (path, shape) of every parameter of `state`: what tells one model's states from
+    another's (16-bit and fp32, abstract and placed states of one model share it)."""
+    return tuple(
+        (path_str(path[1:]), tuple(getattr(leaf, "shape", ())))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+        if category_of(path) == PARAMS
+    )
+
+
 def plan_state(
     state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None
 ) -> tuple[object, list[LeafPlan]]:
@@ -184,6 +197,7 @@ def plan_state(
                 spec,
                 reason,
                 _memory_kind(cat, path, leaf, cfg),
+                leaf.dtype.itemsize,
             )
         )
     _warn_large_replicated(plans, axis_size)
@@ -252,6 +266,7 @@ def _warn_large_replicated(plans, n):
             f"zerojax keeps these large leaves replicated because no dimension "
             f"divides by {n}: {names}. Give them a divisible shape (e.g. pad the "
             "vocabulary) or use a device count that divides one of their dims.",
+            category=ZeroWarning,
             stacklevel=3,
         )
 
@@ -266,3 +281,19 @@ def variables_specs(variables, cfg: ZeroConfig, axis_size: int):
         return P()
 
     return jax.tree_util.tree_map_with_path(spec, variables)
+
+
+def check_placed(state, shardings):
+    """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
+    for (path, leaf), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0],
+        jax.tree_util.tree_leaves(shardings),
+        strict=True,
+    ):
+        have = getattr(leaf, "sharding", None)
+        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+            raise ZeroError(
+                f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
+                f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
+                "or place it with zero.shard(state)."
+            )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.gather import split_dim
 from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
+from zerojax.errors import ZeroWarning
 from zerojax.flax.nnx import is_nnx
 from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.offload import optimizer_on_host, to_device, to_storage
@@ -37,7 +39,7 @@ from zerojax.optim import (
     present,
     update_metrics,
 )
-from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str, split_spec
+from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed, path_str, split_spec
 
 
 class ZeroStep:
@@ -49,7 +51,10 @@ class ZeroStep:
         self._jitted = {}
         self.used_explicit_collectives = None  # known after the first trace
         self._warned = False
-        self._last_state, self._next_micro, self._min_scale_flag = None, 0, None
+        # the micro-batch position of the state the last call returned, known without reading
+        # the device: a weak reference to that state's counter (never to the state itself)
+        self._last_micro: weakref.ref | None = None
+        self._next_micro, self._min_scale_flag = 0, None
         self._nonfinite_flag = None  # (skipped?, step, skipped so far) of the last update
         self._nnx = None  # the NnxStep, when called with NNX objects
         functools.update_wrapper(self, fn)
@@ -62,12 +67,14 @@ class ZeroStep:
         self.check()
         micro_index = self._micro_index(state)
         jitted, shardings, batch = self._prepare(state, batch, extra, self._is_micro(micro_index))
-        _check_placed(state, shardings)
+        check_placed(state, shardings)
         out = jitted(state, batch, *extra)
         self._warn_if_not_hooked()
         new_state = out[0] if isinstance(out, tuple) else out
         k = self.zero.config.gradient_accumulation_steps
-        self._last_state, self._next_micro = new_state, (micro_index + 1) % k
+        if k > 1:
+            self._last_micro = weakref.ref(new_state.opt_state.micro)
+            self._next_micro = (micro_index + 1) % k
         if self.zero.config.precision == "fp16" and not self.zero.config.loss_scale:
             self._min_scale_flag = (
                 new_state.opt_state.overflow_at_min_scale,
@@ -96,7 +103,9 @@ class ZeroStep:
                 "returned is the last good one, unchanged by the bad step."
             )
         warnings.warn(
-            f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').", stacklevel=3
+            f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').",
+            category=ZeroWarning,
+            stacklevel=3,
         )
 
     def lower(self, state, batch, *extra, micro: bool = False) -> jax.stages.Lowered:
@@ -127,7 +136,7 @@ class ZeroStep:
             )
         if cfg.gradient_accumulation_steps == 1:
             return 0
-        if state is self._last_state:
+        if self._last_micro is not None and self._last_micro() is state.opt_state.micro:
             return self._next_micro
         return int(state.opt_state.micro)  # a state from elsewhere: read its position once
 
@@ -338,6 +347,7 @@ class ZeroStep:
                     f"{tuple(a for a, _ in self.zero.comm.tensor)}, so XLA's partitioner places "
                     "every collective, ZeRO's included (explicit_collectives applies to meshes "
                     "of ZeRO axes only).",
+                    category=ZeroWarning,
                     stacklevel=3,
                 )
                 return
@@ -345,6 +355,7 @@ class ZeroStep:
                 f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
                 "partitioner places the collectives (on CPU, stage 2 then all-reduces "
                 "the gradients instead of reduce-scattering them).",
+                category=ZeroWarning,
                 stacklevel=3,
             )
 
@@ -422,22 +433,6 @@ def _with_metrics(new_state, rest):
     if rest and isinstance(rest[0], dict):
         rest = ({**update_metrics(new_state.opt_state), **rest[0]}, *rest[1:])
     return (new_state, *rest)
-
-
-def _check_placed(state, shardings):
-    """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
-    for (path, leaf), want in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0],
-        jax.tree_util.tree_leaves(shardings),
-        strict=True,
-    ):
-        have = getattr(leaf, "sharding", None)
-        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
-            raise ZeroError(
-                f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
-                f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
-                "or place it with zero.shard(state)."
-            )
 
 
 def _cast_before_gather(out, state, shardings):

@@ -18,9 +18,10 @@ import jax
 from flax import nnx
 
 from zerojax.config import ZeroError
+from zerojax.errors import ZeroWarning
 from zerojax.flax.annotations import tensor_spec
 from zerojax.offload import to_device, to_storage
-from zerojax.rules import path_str
+from zerojax.rules import check_placed, path_str
 
 FIELDS = ("params", "opt_state", "other")
 NNX_UNMANAGED = (
@@ -149,9 +150,7 @@ class NnxStep:
     def __call__(self, *args):
         objs, batch, extra = split_args(args)
         jitted, shardings, layout, batch = self._prepare(objs, batch, extra)
-        from zerojax.step import _check_placed  # (step imports this module)
-
-        _check_placed(layout.state, shardings)
+        check_placed(layout.state, shardings)
         new_state, out = jitted(layout.state, batch, *extra)
         layout.update(objs, new_state)
         return out
@@ -184,6 +183,7 @@ class NnxStep:
                     "per-device apply_fn hook and gather_on_use are Linen's): the state is "
                     f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
                     "not reduce-scattered.",
+                    category=ZeroWarning,
                     stacklevel=4,
                 )
 

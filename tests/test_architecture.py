@@ -1,0 +1,275 @@
+"""The engine's house rules: imports run one way, no hidden state carried between models or
+steps, and every public `zero.*` function takes NNX objects and typed PRNG keys."""
+
+import ast
+import gc
+import pathlib
+import signal
+import subprocess
+import sys
+import weakref
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from common import batches, make_init, train_step
+from flax import nnx
+from flax.training import train_state
+from test_interop import write_safetensors
+from test_tensor_parallel import RULES, mesh_2d
+from test_tensor_parallel import data as tp_data
+from test_tensor_parallel import init_fn as tp_init
+
+import zerojax as zj
+
+PACKAGE = pathlib.Path(zj.__file__).parent
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports():
+    """{module: {(imported zerojax module, names)}} from every import statement, the ones
+    inside functions included (a lazy import is still an arrow between two modules)."""
+    modules = {_module(f): f for f in PACKAGE.rglob("*.py")}
+    graph = {m: set() for m in modules}
+    for name, file in modules.items():
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("zerojax"):
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    graph[name].add((sub if sub in modules else node.module, alias.name))
+            elif isinstance(node, ast.Import):
+                graph[name] |= {(a.name, "") for a in node.names if a.name in modules}
+    return graph
+
+
+def test_imports_run_one_way_and_touch_no_private_name():
+    graph = _imports()
+    private = [
+        (m, t, n) for m, edges in graph.items() for t, n in edges if n.startswith("_") and t != m
+    ]
+    assert not private, f"private names imported across modules: {private}"
+    arrows = {m: {t for t, _ in edges if t not in (m, "zerojax")} for m, edges in graph.items()}
+
+    def cycle_from(start, here, seen):
+        for nxt in arrows.get(here, ()):
+            if nxt == start:
+                return [*seen, nxt]
+            if nxt not in seen:
+                found = cycle_from(start, nxt, [*seen, nxt])
+                if found:
+                    return found
+        return None
+
+    cycles = [c for m in arrows if (c := cycle_from(m, m, [m]))]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("order", [1, -1])
+def test_modules_import_in_either_order(order):
+    names = ["zerojax.flax.nnx", "zerojax.step", "zerojax.config", "zerojax.deepspeed"][::order]
+    code = f"import {', '.join(names)}"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+class PlainHead(nn.Module):
+    """A model whose parameter paths coincide with the tensor-parallel model's head
+    (`Dense_0/kernel`, (32, 64)) but which declares no partitioning."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        return nn.Dense(64)(nn.Dense(32)(x))
+
+
+def plain_init(key):
+    model = PlainHead()
+    params = model.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+
+def _specs(zero, state):
+    return {p.path: p.spec for p in zero.plan(state)}
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. logical_rules has nothing to map")
+@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
+def test_one_zero_with_two_models_keeps_their_layouts_apart():
+    fresh = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES)
+    alone = fresh.init(plain_init, jax.random.key(0))
+    want = _specs(fresh, alone)
+    zero = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES)
+    for init, batch in ((tp_init, tp_data(1)[0]), (plain_init, tp_data(1)[0]), (tp_init, None)):
+        state = zero.init(init, jax.random.key(0))
+        if batch is not None:
+            step = zero(train_step)
+            state, metrics = step(state, batch)
+            assert np.isfinite(float(metrics["loss"]))
+            assert zero.report(step, state, batch).peak_bytes > 0
+        if init is plain_init:
+            assert _specs(zero, state) == want  # nothing of the first model carried over
+            assert state.params["Dense_0"]["kernel"].sharding.spec == want["params/Dense_0/kernel"]
+        else:  # and the tensor-parallel model keeps its own layout after the plain one
+            assert _specs(zero, state)["params/Dense_0/kernel"] == jax.sharding.PartitionSpec(
+                "data", "model"
+            )
+    assert "model" not in str(want["params/Dense_0/kernel"])
+
+
+class DropoutNet(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.down = nnx.Linear(64, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(nnx.relu(self.up(x))))
+
+
+def build():
+    model = DropoutNet(nnx.Rngs(0, dropout=1))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+def test_every_public_function_takes_nnx_objects_with_rng_streams(tmp_path):
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    model, optimizer = zero.init(build)
+    plans = {p.path: p for p in zero.plan((model, optimizer))}
+    assert plans["params/up/kernel"].spec == jax.sharding.PartitionSpec(None, "data")
+    assert plans["opt_state/opt_state/0/mu/up/kernel"].category == "opt_state"
+    streams = [p for p in plans.values() if "/rngs/" in p.path]  # the dropout stream
+    assert streams and all(p.category == "other" for p in streams)  # RNG streams: not params
+    shardings = zero.state_shardings((model, optimizer))
+    assert shardings["params"]["up"]["kernel"].spec == plans["params/up/kernel"].spec
+    table = zero.describe((model, optimizer), show=False)
+    assert {r.path for r in table.rows} == set(plans)
+    abstract_model, _ = zero.eval_shape(build)  # abstract objects, shardings included
+    kernel = abstract_model.up.kernel.get_value()
+    assert isinstance(kernel, jax.ShapeDtypeStruct)
+    assert kernel.sharding.spec == plans["params/up/kernel"].spec
+
+    def step_fn(model, optimizer, batch):
+        def loss_fn(model):
+            return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    batch = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 16), np.float32)}
+    assert zero.report(zero(step_fn), model, optimizer, batch).peak_bytes > 0
+    weights = np.random.default_rng(0).normal(size=(16, 64)).astype(np.float32)
+    file = tmp_path / "w.safetensors"
+    tensors = _tensors(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    tensors["up.kernel"] = weights
+    write_safetensors(file, tensors)
+    loaded_model, _ = zero.load_safetensors((model, optimizer), str(file))
+    np.testing.assert_array_equal(np.asarray(loaded_model.up.kernel[...]), weights)
+    assert loaded_model.up.kernel[...].sharding.spec == plans["params/up/kernel"].spec
+
+
+class KeyedState(train_state.TrainState):
+    rng: jax.Array  # a typed PRNG key, as `jax.random.key` makes them
+
+
+def keyed_init(key):
+    base = make_init(optax.adam(1e-3))(key)
+    return KeyedState.create(apply_fn=base.apply_fn, params=base.params, tx=base.tx, rng=key)
+
+
+def _tensors(params) -> dict:
+    """{'a.b.kernel': array} for a nest of parameters, as a safetensors file names them."""
+    return {
+        ".".join(str(getattr(k, "key", k)) for k in p): np.asarray(x)
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. .* of the bytes stage 3 should split")
+def test_every_public_function_takes_typed_prng_keys(tmp_path):
+    zero = zj.zero_shard(stage=3)
+    state = zero.init(keyed_init, jax.random.key(0))
+    plans = {p.path: p for p in zero.plan(state)}
+    assert plans["rng"].category == "other" and plans["rng"].nbytes == 8
+    assert zero.state_shardings(state).rng.spec == jax.sharding.PartitionSpec()
+    row = {r.path: r for r in zero.describe(state, show=False).rows}["rng"]
+    assert row.dtype == "key<fry>" and row.bytes_per_device == 8
+    abstract = zero.eval_shape(keyed_init, jax.random.key(0))
+    assert jax.dtypes.issubdtype(abstract.rng.dtype, jax.dtypes.prng_key)
+    batch = batches(1)[0]
+    assert zero.report(zero(train_step), state, batch).peak_bytes > 0
+    tensors = _tensors(state.params)
+    kernel = tensors["head.kernel"] = tensors["head.kernel"] + 1
+    write_safetensors(tmp_path / "w.safetensors", tensors)
+    loaded = zero.load_safetensors(state, str(tmp_path / "w.safetensors"))
+    np.testing.assert_array_equal(np.asarray(loaded.params["head"]["kernel"]), kernel)
+    assert jax.random.key_data(loaded.rng).tolist() == jax.random.key_data(state.rng).tolist()
+
+
+def _device_bytes(arrays) -> int:
+    """Bytes of the distinct device buffers behind `arrays` (a sharded array and the
+    per-device arrays it caches share their buffers: count each buffer once)."""
+    buffers = {}
+    for x in arrays:
+        for shard in x.addressable_shards:
+            buffers[shard.device.id, shard.data.unsafe_buffer_pointer()] = shard.data.nbytes
+    return sum(buffers.values())
+
+
+def _live_bytes() -> int:
+    return _device_bytes(jax.live_arrays())
+
+
+def test_a_dropped_state_is_freed(tmp_path):
+    """The step keeps no reference to the states it returns: once the caller drops one (to
+    restore a checkpoint, say), no second copy stays in device memory."""
+    zero = zj.zero_shard(stage=2, gradient_accumulation_steps=2, precision="bf16")
+    step = zero(train_step)
+    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    for batch in batches(2, batch_size=8):
+        state, metrics = step(state, batch)
+    with zj.CheckpointManager(tmp_path / "ckpt", zero) as ckpt:
+        ckpt.save(1, state)
+    abstract = jax.eval_shape(make_init(optax.adam(1e-3)), jax.random.key(0))
+    gone = [weakref.ref(x) for x in jax.tree_util.tree_leaves(state)]
+    state_bytes = _device_bytes(jax.tree_util.tree_leaves(state))
+    del state, metrics
+    gc.collect()
+    assert not [r for r in gone if r() is not None]  # every leaf of the dropped state freed
+    before = _live_bytes()
+    with zj.CheckpointManager(tmp_path / "ckpt", zero) as ckpt:
+        restored, _ = ckpt.restore(abstract)
+    gc.collect()
+    assert _live_bytes() - before == _device_bytes(jax.tree_util.tree_leaves(restored))
+    assert _live_bytes() - before <= state_bytes  # one state alive, not two
+    restored, _ = step(restored, batches(1, batch_size=8)[0])  # and it trains on
+
+
+def test_closing_a_checkpoint_manager_gives_sigterm_back(tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    ckpt = zj.CheckpointManager(tmp_path / "c", zj.zero_shard(stage=1), save_on_preemption=True)
+    assert signal.getsignal(signal.SIGTERM) is not before
+    ckpt.close()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_every_warning_is_a_zero_warning():
+    """Users filter zerojax's warnings by category: every `warnings.warn` call passes one."""
+    calls = []
+    for file in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "warnings.warn":
+                category = {k.arg: ast.unparse(k.value) for k in node.keywords}.get("category")
+                calls.append((file.name, node.lineno, category))
+    assert calls and all(c == "ZeroWarning" for *_, c in calls), calls
+    zero = zj.zero_shard(stage=3, logical_rules=RULES)
+    with pytest.warns(zj.ZeroWarning, match="logical_rules has nothing to map"):
+        zero.init(make_init(optax.sgd(0.1)), jax.random.key(0))
