@@ -6,3 +6,38 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The quick lane for the edit loop (`pytest -m quick`, a few minutes on 2 cores): configs,
+# rules tables, HLO parsing, quantisation, the house rules, and one small parity run per path
+# (explicit collectives at stage 3 on 8 devices, and a deliberately broken reduction failing).
+QUICK_MODULES = {
+    "test_config",
+    "test_data",
+    "test_describe",
+    "test_errors",
+    "test_xla_flags",
+    "test_architecture",
+}
+QUICK_TESTS = (
+    "test_parity.py::test_stage_matches_single_device_adamw[3-8]",
+    "test_parity.py::test_parity_checks_fail_on_a_broken_reduction[2-no_mean-sgd_momentum]",
+    "test_report.py::test_hlo_parser",
+    "test_report.py::test_collectives_in_a_loop",
+    "test_zeropp.py::test_int8",
+    "test_zeropp.py::test_int4",
+    "test_zeropp.py::test_iota_replica_groups",
+    "test_zeropp.py::test_bad_options_are_named",
+    "test_rules.py::test_default_rule_table",
+    "test_rules.py::test_user_rules_by_path_regex",
+    "test_rules.py::test_optimizer_state_follows_its_parameter",
+    "test_rules.py::test_stage_placement_by_category",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        module = item.module.__name__ if item.module else ""
+        if module in QUICK_MODULES or any(q in item.nodeid for q in QUICK_TESTS):
+            item.add_marker(pytest.mark.quick)
