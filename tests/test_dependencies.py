@@ -1,0 +1,43 @@
+"""Canaries for the private names of jax and flax that zerojax uses (each where no public API
+does the same job): when a dependency moves one, this fails with what to change, instead of
+export, restore or the XLA-flag defaults failing deep inside."""
+
+import sys
+
+import jax
+import numpy as np
+from flax import serialization
+
+import zerojax  # noqa: F401  (imports jax's backend module)
+
+
+def test_flax_msgpack_extension_packer_exists():
+    packer = getattr(serialization, "_msgpack_ext_pack", None)
+    assert callable(packer), (
+        "flax.serialization._msgpack_ext_pack is gone: zerojax.export._write_msgpack packs "
+        "arrays with it, leaf by leaf, so that flax.serialization.from_bytes reads the file; "
+        "find flax's new packer hook (or write the ndarray extension type) there."
+    )
+    assert packer(np.zeros(2, np.float32)) is not None
+
+
+def test_prng_key_dtypes_name_their_implementation():
+    dtype = jax.ShapeDtypeStruct((), jax.random.key(0).dtype).dtype
+    impl = getattr(dtype, "_impl", None)
+    assert impl is not None, (
+        "a typed PRNG key dtype no longer has `_impl`: zerojax.checkpoint._place rebuilds "
+        "restored keys with jax.random.wrap_key_data(data, impl=dtype._impl); take the "
+        "implementation from the abstract target another way there."
+    )
+    key = jax.random.wrap_key_data(jax.random.key_data(jax.random.key(3)), impl=impl)
+    assert jax.random.key_data(key).tolist() == jax.random.key_data(jax.random.key(3)).tolist()
+
+
+def test_jax_backend_registry_is_where_zerojax_looks():
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    assert bridge is not None and isinstance(getattr(bridge, "_backends", None), dict), (
+        "jax._src.xla_bridge._backends moved: zerojax.xla_flags.apply_defaults reads it to know "
+        "whether JAX's backend started before zerojax set its XLA flags; find the new registry."
+    )
+    jax.devices()
+    assert bridge._backends  # filled once a backend has started
