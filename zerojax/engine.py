@@ -94,8 +94,9 @@ class ZeroShard:
         """`state` without the model's partitioning boxes (`nn.with_logical_partitioning`...),
         whose tensor-parallel layouts this zero remembers for states of this model."""
         state, layouts = read_linen_boxes(state, self.mesh, self.config)
-        if layouts or params_key(state) not in self._tensor_layouts:
-            self._tensor_layouts[params_key(state)] = layouts
+        key = params_key(state)
+        if layouts or key not in self._tensor_layouts:
+            self._tensor_layouts[key] = layouts
         return state
 
     def manage(self, state: PyTree) -> PyTree:
