@@ -11,7 +11,10 @@ import os
 import sys
 
 MULTIPROCESS = "--mp" in sys.argv
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={4 if MULTIPROCESS else 8}"
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={4 if MULTIPROCESS else 8}"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

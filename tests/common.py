@@ -1,5 +1,7 @@
 """A small Flax transformer, its unchanged train step, and plain single-device training."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,17 @@ from zerojax.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab=203, d_model=64, n_layers=2, n_heads=4, seq_len=16)
 MODEL = GPT(CFG)
+
+
+def subprocess_env(**extra) -> dict:
+    """The environment of a process a test launches: this one's (the compilation cache
+    included), without its device count and platform, which the process sets itself."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(
+        f for f in flags if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    return {**env, **extra}
 
 
 def make_init(tx, model=MODEL, cfg=CFG):

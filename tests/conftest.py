@@ -6,6 +6,19 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    # One persistent compilation cache per test session, inherited by the processes tests launch:
+    # a restarted or second process (resume, multi-controller, CLI) loads what an earlier one
+    # compiled instead of compiling it again. Empty at the start, so every session still
+    # compiles everything once.
+    import atexit
+    import shutil
+    import tempfile
+
+    _cache = tempfile.mkdtemp(prefix="zerojax-test-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
 
 # The quick lane for the edit loop (`pytest -m quick`, a few minutes on 2 cores): configs,
 # rules tables, HLO parsing, quantisation, the house rules, and one small parity run per path

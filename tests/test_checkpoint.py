@@ -20,7 +20,7 @@ from zerojax.launch import free_port
 
 sys.path.insert(0, os.path.dirname(__file__))
 from checkpoint_worker import ZERO, batch, init_fn, train_step  # noqa: E402
-from common import assert_trees_close  # noqa: E402
+from common import assert_trees_close, subprocess_env  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
 ABSTRACT = jax.eval_shape(init_fn, jax.random.key(0))
@@ -148,7 +148,7 @@ def _losses(path) -> dict:
 
 
 def _worker(*args, **kwargs):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = subprocess_env()
     return subprocess.Popen(
         [sys.executable, WORKER, *map(str, args)],
         env=env,

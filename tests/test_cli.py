@@ -6,10 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from common import subprocess_env
 
 
 def _plan(*args):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = subprocess_env(JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, "-m", "zerojax.cli", "plan", *args],
         env=env,

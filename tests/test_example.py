@@ -2,7 +2,6 @@
 (the same command resumes and continues bitwise), and 2 launched processes match 1."""
 
 import json
-import os
 import pathlib
 import re
 import signal
@@ -12,13 +11,14 @@ import time
 
 import numpy as np
 import pytest
+from common import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 SCRIPT = str(ROOT / "examples" / "pretrain_lm.py")
 
 
 def _env():
-    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess_env()
 
 
 def _run(*args, timeout=600):
@@ -84,11 +84,13 @@ def test_killed_run_resumes_with_the_same_command(tmp_path):
         "--ckpt-dir",
         tmp_path / "ckpt",
     ]
-    proc = subprocess.Popen(args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "killed.log"
+    proc = subprocess.Popen(args, env=_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     while time.time() < deadline and not (
         (run / "metrics.jsonl").exists() and max(_losses(run), default=0) >= 9
     ):
+        assert proc.poll() is None, "the run to kill stopped first:\n" + log.read_text()[-3000:]
         time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()

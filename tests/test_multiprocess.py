@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from common import assert_trees_close, batches, train_zero, zeropp_setup
+from common import assert_trees_close, batches, subprocess_env, train_zero, zeropp_setup
 
 import zerojax as zj
 from zerojax.launch import free_port
@@ -22,7 +22,7 @@ def two_process_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mp") / "results.npz")
     port = free_port()
     worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = subprocess_env()
     procs = [
         subprocess.Popen(
             [sys.executable, worker, str(i), str(port), out, str(STEPS)],

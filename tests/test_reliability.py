@@ -1,7 +1,6 @@
 """Faults: a dead peer or an unreachable coordinator never hangs a run; NaN/inf gradients are
 caught by option; bad input fails at once; runs are deterministic."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, make_init, train_step, train_zero
+from common import batches, make_init, subprocess_env, train_step, train_zero
 
 import zerojax as zj
 from zerojax.launch import free_port
@@ -34,15 +33,13 @@ while True:
 
 
 def _env(rank, port, **extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return dict(
-        env,
+    return subprocess_env(
         ZEROJAX_COORDINATOR=f"127.0.0.1:{port}",
         ZEROJAX_NUM_PROCESSES="2",
         ZEROJAX_PROCESS_ID=str(rank),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        XLA_FLAGS=subprocess_env()["XLA_FLAGS"] + " --xla_force_host_platform_device_count=2",
         **extra,
     )
 
