@@ -79,6 +79,45 @@ def test_modules_import_in_either_order(order):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def _sources():
+    return {_module(f): f.read_text() for f in PACKAGE.rglob("*.py")}
+
+
+def test_only_the_boundary_asks_what_kind_of_state_it_has():
+    # zerojax.state turns every kind of user state into the one pytree the engine sees
+    asking = [m for m, src in _sources().items() if "nnx.Pytree" in src or "is_nnx" in src]
+    assert asking == ["zerojax.state"]
+
+
+def test_only_the_rules_decide_a_spec():
+    # a leaf's layout is decided once (rules.plan_state, cached by ZeroShard.layout); the hook,
+    # the gathers, the step's gradients, report and describe read it
+    deciding = [m for m, src in _sources().items() if "split_spec(" in src]
+    assert deciding == ["zerojax.rules"]
+    stage_numbers = [
+        m
+        for m, src in _sources().items()
+        for line in src.splitlines()
+        if "stage" in line
+        and any(op in line for op in ("stage >", "stage <", "stage ==", "stage !="))
+        and m != "zerojax.config"
+    ]
+    assert not stage_numbers, f"stage compared outside ZeroConfig's properties: {stage_numbers}"
+
+
+def test_a_layout_is_computed_once_per_structure():
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    state = zero.init(plain_init, jax.random.key(0))
+    layout = zero.layout(state)
+    # computed once: another state of the same model (here its abstract shape) shares the plans
+    assert zero.layout(zero.eval_shape(plain_init, jax.random.key(0))).plans is layout.plans
+    kernel = layout.params["Dense_0/kernel"]
+    assert kernel.spec == kernel.sharded_spec == kernel.grad_spec  # stage 3: all split
+    assert kernel.split_dim is not None and kernel.spec[kernel.split_dim] == "data"
+    two = zj.zero_shard(stage=2, persistence_threshold=0).layout(state).params["Dense_0/kernel"]
+    assert two.spec == jax.sharding.PartitionSpec() and two.grad_spec == kernel.sharded_spec
+
+
 class PlainHead(nn.Module):
     """A model whose parameter paths coincide with the tensor-parallel model's head
     (`Dense_0/kernel`, (32, 64)) but which declares no partitioning."""

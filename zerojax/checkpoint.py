@@ -22,9 +22,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.config import ZeroError
-from zerojax.flax.nnx import NnxLayout, as_objects, is_nnx, nnx_state
 from zerojax.optim import ZeroOptState, initial_scaler, present
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
+from zerojax.state import boundary, tree_of
 
 # ZeroOptState fields a checkpoint keeps under "zero" (the others are derived or empty at an
 # optimizer-step boundary: master -> params, inner -> opt_state, accum / per_device zeros)
@@ -153,10 +153,8 @@ class CheckpointManager:
         """Start saving `state` (and JSON-able `extra`) as `step` if the interval says so, or
         `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
-        if is_nnx(state):
-            state = nnx_state(state)
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(canonical_tree(state)),
+            state=ocp.args.PyTreeSave(canonical_tree(tree_of(state))),
             extra=ocp.args.JsonSave(dict(extra or {})),
         )
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
@@ -187,13 +185,9 @@ class CheckpointManager:
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
         an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
-        if is_nnx(target):  # NNX: new objects like `target` (real or nnx.eval_shape'd)
-            objs, shape_back = as_objects(target)
-            layout = NnxLayout(objs)
-            state, extra = self.restore(layout.state, step)
-            return shape_back(layout.merge(state)), extra
+        user = boundary(target)  # NNX: new objects like `target` (real or nnx.eval_shape'd)
         step, saved = saved_step(self._mgr, step)
-        abstract = jax.eval_shape(self.zero.manage, target)
+        abstract = jax.eval_shape(self.zero.manage, user.tree)
         shardings = self.zero.state_shardings(abstract)
         wanted = _canonical_paths(abstract)
         request, restore_args = [], []
@@ -238,7 +232,7 @@ class CheckpointManager:
             ),
         )
         return (
-            _assemble(abstract, shardings, wanted, out["state"], self.zero.config),
+            user.rebuild(_assemble(abstract, shardings, wanted, out["state"], self.zero.config)),
             dict(out["extra"] or {}),
         )
 

@@ -258,7 +258,7 @@ class ZeroConfig:
             )
             if on
         ]
-        if used and self.stage != 3:
+        if used and not self.shards_parameters:
             raise ZeroError(
                 f"{', '.join(used)} need stage 3 (got stage {self.stage}): they "
                 "change stage 3's parameter gathers and gradient reduce-scatters."
@@ -277,12 +277,12 @@ class ZeroConfig:
     def _check_offload_options(self):
         for name in ("offload_optimizer", "offload_param"):
             object.__setattr__(self, name, _offload_device(name, getattr(self, name)))
-        if self.offload_optimizer == "cpu" and self.stage < 1:
+        if self.offload_optimizer == "cpu" and not self.shards_optimizer_state:
             raise ZeroError(
                 "offload_optimizer needs stage >= 1 (stage 0 keeps a whole optimizer "
                 "state per device; shard it first, as DeepSpeed requires)."
             )
-        if self.offload_param == "cpu" and self.stage != 3:
+        if self.offload_param == "cpu" and not self.shards_parameters:
             raise ZeroError(
                 f"offload_param needs stage 3 (got stage {self.stage}): only stage 3 "
                 "shards the parameters that it would keep on the host."
@@ -322,7 +322,7 @@ class ZeroConfig:
                 raise ZeroError(
                     f"{name} must be an integer >= 0 (0: not set) or 'auto' (got {value!r})."
                 )
-        if self.accumulate == "local" and self.stage == 3:
+        if self.accumulate == "local" and self.shards_parameters:
             raise ZeroError(
                 "accumulate='local' keeps a full-size gradient buffer per device, "
                 "which stage 3 exists to avoid: use accumulate='reduced' (or 'auto')."
@@ -387,11 +387,27 @@ class ZeroConfig:
             micro_batch_size=mb if known(mb) else 0,
         )
 
+    # what each stage splits over the ZeRO axis: the one place stage numbers mean something
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Stage >= 1: each device keeps only its slice of the optimizer state."""
+        return self.stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Stage >= 2: gradients are reduce-scattered to the slice each device updates."""
+        return self.stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Stage 3: parameters rest split too, gathered where the model uses them."""
+        return self.stage == 3
+
     @property
     def accumulates_locally(self) -> bool:
         """Whether micro-batch gradients stay per device until the optimizer step."""
         return self.gradient_accumulation_steps > 1 and (
-            self.accumulate == "local" or (self.accumulate == "auto" and self.stage < 3)
+            self.accumulate == "local" or (self.accumulate == "auto" and not self.shards_parameters)
         )
 
     @property

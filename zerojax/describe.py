@@ -19,7 +19,7 @@ import numpy as np
 
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
-from zerojax.rules import OPT_STATE, PARAMS, category_of, path_str
+from zerojax.rules import category_of, path_str, stage_splits
 
 WARN_FRACTION = 0.01
 
@@ -94,10 +94,7 @@ def describe(zero, state, tolerance: float | None = None) -> Description:
         if not isinstance(sharding, jax.sharding.NamedSharding):
             sharding = want
         shape, dtype = tuple(np.shape(leaf)), leaf.dtype  # numpy or typed PRNG key dtype
-        cat = category_of(path)
-        split = bool(shape) and (
-            cat == OPT_STATE and zero.config.stage >= 1 or cat == PARAMS and zero.config.stage == 3
-        )
+        split = bool(shape) and stage_splits(zero.config, category_of(path))
         local = sharding.shard_shape(shape)
         rows.append(
             LeafRow(

@@ -8,6 +8,7 @@ def train_step(state, batch): ...    # unchanged single-device step
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,11 +23,12 @@ from zerojax.comm.hierarchy import comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
 from zerojax.errors import ZeroWarning
 from zerojax.flax.annotations import read_linen_boxes
-from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout, as_objects, is_nnx, nnx_building, nnx_state
+from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
-from zerojax.rules import DEVICE, LeafPlan, params_key, path_str, plan_state
+from zerojax.rules import DEVICE, LeafPlan, StateLayout, params_key, path_str, plan_state
+from zerojax.state import Boundary, boundary, tree_of
 from zerojax.step import ZeroStep
 
 if TYPE_CHECKING:
@@ -58,30 +60,48 @@ class ZeroShard:
         # {parameters' (path, shape) tuple: {parameter path: TensorSpec}}, so that one zero
         # used with several models keeps each model's layouts apart
         self._tensor_layouts: dict[tuple, dict] = {}
+        self._layouts: dict[tuple, StateLayout] = {}  # cache of `layout`, keyed by structure
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
 
     # ---- placement -------------------------------------------------------------------------
+    def layout(self, state: PyTree) -> StateLayout:
+        """Every leaf's `LeafPlan` for `state` (a train state, its abstract shape, or NNX
+        objects: their dict state), computed once per leaf paths, shapes, dtypes and the
+        model's tensor-parallel layout, then cached: the one place a leaf's layout is decided."""
+        user = boundary(state)
+        state, boxed = read_linen_boxes(user.tree, self.mesh, self.config)
+        # the layouts the state declares itself (NNX metadata, Linen boxes), else the ones its
+        # model declared when a state of it was adopted (a placed Linen state has no boxes)
+        tensor = user.tensor_specs(self.mesh, self.config) or boxed or self.tensor_layout(state)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        key = (
+            tuple((jax.tree_util.keystr(p), np.shape(x), str(x.dtype)) for p, x in leaves),
+            tuple(sorted(tensor.items())),
+        )
+        if key not in self._layouts:
+            self._layouts[key] = plan_state(state, self.config, self.shard_size, tensor)
+        cached = self._layouts[key]
+        # a state of another TrainState instance (its apply_fn, tx) has the same plans
+        return cached if cached.treedef == treedef else dataclasses.replace(cached, treedef=treedef)
+
     def plan(self, state: PyTree) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
         (NNX objects: for their dict state, see zerojax.flax.nnx)."""
-        state = nnx_state(state) if is_nnx(state) else state
-        return plan_state(state, self.config, self.shard_size, self.tensor_layout(state))[1]
+        return list(self.layout(state).plans)
 
     def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
         (NNX objects: one per leaf of their dict state `{params, opt_state, other}`)."""
-        state = nnx_state(state) if is_nnx(state) else state
-        specs, plans = plan_state(state, self.config, self.shard_size, self.tensor_layout(state))
-        treedef = jax.tree_util.tree_structure(specs, is_leaf=lambda x: isinstance(x, P))
+        layout = self.layout(state)
         return jax.tree_util.tree_unflatten(
-            treedef,
+            layout.treedef,
             [
                 NamedSharding(
                     self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory
                 )
-                for p in plans
+                for p in layout.plans
             ],
         )
 
@@ -110,31 +130,35 @@ class ZeroShard:
     def shard(self, state: PyTree) -> PyTree:
         """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
         objects (one, or a tuple) come back as new objects holding the placed state."""
-        objects = None
-        if is_nnx(state):
-            state, objects = self._adopt_nnx(state)
-        abstract = jax.eval_shape(self.manage, state)
-        placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(state)
+        user = self._enter(state)
+        abstract = jax.eval_shape(self.manage, user.tree)
+        placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(user.tree)
         self._check_logical_rules_used(abstract)
-        return placed if objects is None else objects(placed)
+        return user.rebuild(placed)
 
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        objects = []  # NNX: how to turn the placed state back into objects
+        users = []  # the traced state's boundary, to rebuild the user's kind afterwards
 
         def make(*a, **k):  # traced once: init_fn may build a new model object per call
             with nnx_building():
-                state = init_fn(*a, **k)
-            if is_nnx(state):
-                state, back = self._adopt_nnx(state)
-                objects.append(back)
-            state = jax.tree_util.tree_map(jnp.asarray, self.manage(state))
+                users.append(self._enter(init_fn(*a, **k)))
+            state = jax.tree_util.tree_map(jnp.asarray, self.manage(users[-1].tree))
             return to_storage(state, self.state_shardings(state))
 
         state = jax.jit(make)(*args, **kwargs)
         self._check_logical_rules_used(state)
-        return objects[0](state) if objects else state
+        return users[-1].rebuild(state)
+
+    def _enter(self, state) -> Boundary:
+        """`state`'s boundary (see zerojax.state); the tensor-parallel layouts NNX variables
+        declare join this zero's (Linen boxes join in `adopt`)."""
+        user = boundary(state)
+        layouts = user.tensor_specs(self.mesh, self.config)
+        if layouts:
+            self._tensor_layouts[params_key(user.tree)] = layouts
+        return user
 
     def _check_logical_rules_used(self, state):
         if self.config.logical_rules and not self.tensor_layout(state):
@@ -146,32 +170,19 @@ class ZeroShard:
                 stacklevel=3,
             )
 
-    def _adopt_nnx(self, out):
-        """(the dict state of the NNX objects `out`, a function making objects like `out` from
-        such a state); their sharding metadata joins this zero's tensor-parallel layouts."""
-        if self.config.manages_update:
-            raise ZeroError(NNX_UNMANAGED)
-        objs, shape_back = as_objects(out)
-        layout = NnxLayout(objs)
-        self._tensor_layouts[params_key(layout.state)] = layout.tensor_specs(self.mesh, self.config)
-        return layout.state, lambda state: shape_back(layout.merge(state))
-
     def eval_shape(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
         compile and report a step for a model too large to allocate (nothing is allocated).
         NNX objects come back as abstract objects whose variables hold them."""
         with nnx_building():
-            out = jax.eval_shape(init_fn, *args, **kwargs)
-        back = None
-        if is_nnx(out):
-            out, back = self._adopt_nnx(out)
-        abstract = jax.eval_shape(self.manage, out)
+            user = self._enter(jax.eval_shape(init_fn, *args, **kwargs))
+        abstract = jax.eval_shape(self.manage, user.tree)
         placed = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
             abstract,
             self.state_shardings(abstract),
         )
-        return placed if back is None else back(placed)
+        return user.rebuild(placed)
 
     def batch_sharding(self, leaf) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
@@ -236,12 +247,10 @@ class ZeroShard:
         device reading only its own slice (see zerojax.interop)."""
         from zerojax.interop import load_safetensors
 
-        if is_nnx(state):  # NNX objects: new objects holding the loaded state
-            objs, shape_back = as_objects(state)
-            layout = NnxLayout(objs)
-            loaded = load_safetensors(self, layout.state, path, names=names, transpose=transpose)
-            return shape_back(layout.merge(loaded))
-        return load_safetensors(self, state, path, names=names, transpose=transpose)
+        user = boundary(state)  # NNX objects: new objects holding the loaded state
+        return user.rebuild(
+            load_safetensors(self, user.tree, path, names=names, transpose=transpose)
+        )
 
     def describe(
         self, state: PyTree, *, tolerance: float | None = None, show: bool = True
@@ -252,7 +261,7 @@ class ZeroShard:
         raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
 
-        out = describe(self, nnx_state(state) if is_nnx(state) else state, tolerance)
+        out = describe(self, tree_of(state), tolerance)
         if show:
             print(out, end="")
         return out

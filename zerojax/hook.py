@@ -19,14 +19,14 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, split_dim
+from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
 from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
-from zerojax.rules import PARAMS, key_name, path_str, split_spec, variables_specs
+from zerojax.rules import PARAMS, StateLayout, key_name, path_str
 
 
 class ApplyHookError(ZeroError):
@@ -56,31 +56,39 @@ def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
 
 
 def hooked_apply_fn(
-    apply_fn, mesh, comm: Comm, cfg: ZeroConfig, batch_rows: set, calls: list, scale=None
+    apply_fn,
+    mesh,
+    comm: Comm,
+    cfg: ZeroConfig,
+    layout: StateLayout,
+    batch_rows: set,
+    calls: list,
+    scale=None,
 ):
-    """`apply_fn` with explicit collectives over `comm`'s axes; `batch_rows` holds the global
-    batch sizes (leading dims of the step's batch leaves), each call appends to `calls`, and
-    `scale` is the fp16 loss scale (None without loss scaling)."""
-    axis, n, n_shard = comm.shard_axis, comm.data_size, comm.shard_size
-    dtypes_reduce = DTYPES[cfg.grad_reduce_dtype]
+    """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
+    parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
+    dims of the step's batch leaves), each call appends to `calls`, and `scale` is the fp16 loss
+    scale (None without loss scaling)."""
+    n, dtypes_reduce = comm.data_size, DTYPES[cfg.grad_reduce_dtype]
 
-    def grad_spec(path, leaf):
-        if cfg.stage >= 2 and path and key_name(path[0]) == PARAMS:
-            return split_spec(leaf.shape, axis, n_shard, cfg, path_str(path[1:]))[0]
-        return P()
+    def plans(variables) -> list:
+        """Per variable leaf: the state's plan of that parameter (None for other leaves)."""
+        return [
+            layout.param_plan(p[1:], x) if p and key_name(p[0]) == PARAMS else None
+            for p, x in jax.tree_util.tree_flatten_with_path(variables)[0]
+        ]
 
     def apply(variables, *args, **kwargs):
         calls.append(True)
         flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
-        store = tuple(jax.tree_util.tree_leaves(variables_specs(variables, cfg, n_shard)))
-        grads = tuple(
-            jax.tree_util.tree_leaves(jax.tree_util.tree_map_with_path(grad_spec, variables))
-        )
+        leaf_plans = plans(variables)
+        store = tuple(P() if p is None else p.spec for p in leaf_plans)
+        grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
         # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
         claimed = (
             _claimed(apply_fn, variables, args, kwargs, flat_vars)
-            if cfg.stage == 3
+            if cfg.shards_parameters
             else [False] * len(leaves)
         )
         if comm.secondary and not any(claimed):
@@ -115,9 +123,9 @@ def hooked_apply_fn(
             prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
             split_dims={
-                path_str(p[1:]): split_dim(sp, axis)
-                for (p, _), sp in zip(flat_vars, store, strict=True)
-                if key_name(p[0]) == PARAMS
+                path_str(p[1:]): plan.split_dim
+                for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)
+                if plan is not None and cfg.shards_parameters
             },
             stored_ndim={
                 path_str(p[1:]): np.ndim(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
@@ -145,7 +153,7 @@ def hooked_apply_fn(
             variables_local = jax.tree_util.tree_unflatten(
                 var_tree, [next(shards) if c else next(copies)[0] for c in claimed]
             )
-            if cfg.stage == 3:  # the scale enters as an argument: no outer tracer in the layers
+            if cfg.shards_parameters:  # the scale: an argument, no outer tracer
                 with gather_context(dataclasses.replace(gather_ctx, scale=scale)):
                     out = model(variables_local, values)
             else:

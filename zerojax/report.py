@@ -12,6 +12,7 @@ algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter / all
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import math
@@ -21,10 +22,11 @@ import tempfile
 
 import jax
 import numpy as np
+from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax import xla_flags
-from zerojax.flax.nnx import is_nnx, nnx_state, split_args
-from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
+from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS, stage_splits
+from zerojax.state import split_call
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {
@@ -307,18 +309,31 @@ def resident_bytes(zero, state, device=None):
             nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
         host = getattr(leaf.sharding, "memory_kind", None) == HOST
         (on_host if host else by_cat)[_category(plan)] += nbytes
-        sharded_here = plan.category == OPT_STATE or (
-            plan.category == PARAMS and zero.config.stage == 3
-        )
-        if sharded_here and zero.config.stage >= 1 and plan.reason.startswith("replicated"):
+        if stage_splits(zero.config, plan.category) and plan.reason.startswith("replicated"):
             kept += nbytes
     return dict(by_cat), dict(on_host), kept
 
 
+@contextlib.contextmanager
+def _no_compilation_cache():
+    """JAX's persistent compilation cache off inside (jax decides once whether it uses the
+    cache, so switching it also resets that decision), as it was after."""
+    was_on = jax.config.values["jax_enable_compilation_cache"]
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was_on)
+        compilation_cache.reset_cache()
+
+
 def compile_with_partitioned_hlo(lowered, devices: int):
     """(compiled executable, text of the HLO module right after SPMD partitioning; on one
-    device, where nothing is partitioned, the compiled module)."""
-    with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp:
+    device, where nothing is partitioned, the compiled module). JAX's persistent compilation
+    cache is off for this one compile: an executable loaded from it was never partitioned
+    here, so XLA would dump nothing."""
+    with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp, _no_compilation_cache():
         compiled = lowered.compile(
             {"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"}
         )
@@ -357,8 +372,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
-    if is_nnx(state):  # step(model, optimizer, batch): the objects' dict state
-        state = nnx_state(split_args((state, batch, *extra))[0])
+    state = split_call((state, batch, *extra))[0].tree  # NNX objects: their dict state
     resident, host, kept = resident_bytes(zero, state)
     # CPU's memory_analysis counts host-memory arguments with the device's (its host fields
     # stay 0): take the offloaded state out of the arguments there

@@ -10,6 +10,7 @@ parameter while Adafactor's factored moments get the default rule for their own 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 import warnings
@@ -39,10 +40,57 @@ class LeafPlan:
     reason: str  # 'sharded dim 1', 'replicated: below persistence threshold', ...
     memory: str = DEVICE  # memory kind at rest: DEVICE, or HOST when offloaded
     itemsize: int = 4  # bytes per element (a typed PRNG key: its key data's)
+    # parameters only: the spec split over the ZeRO axis (storage at stage 3; the gradient
+    # from stage 2, the optimizer state from stage 1), the dim it splits, where the reduced
+    # gradient lives, and the model's tensor-parallel layout (None: it declares none)
+    sharded_spec: P | None = None
+    split_dim: int | None = None
+    grad_spec: P | None = None
+    tensor: TensorSpec | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Every leaf's `LeafPlan` for one state structure, computed once (`ZeroShard.layout`) and
+    read by everything that needs a spec: storage, the hook, the gathers, the step's gradients,
+    offload, report, describe, plan and checkpoints."""
+
+    treedef: object
+    plans: tuple[LeafPlan, ...]
+
+    def specs(self):
+        """The storage PartitionSpecs as a pytree of the state's structure."""
+        return jax.tree_util.tree_unflatten(self.treedef, [p.spec for p in self.plans])
+
+    @functools.cached_property
+    def params(self) -> dict[str, LeafPlan]:
+        """{parameter path inside `params` ('Dense_0/kernel'): its plan}."""
+        return {
+            p.path.split("/", 1)[1] if "/" in p.path else "": p
+            for p in self.plans
+            if p.category == PARAMS
+        }
+
+    def param_plan(self, path, leaf) -> LeafPlan | None:
+        """The plan of the state parameter at `path` (keys below `params`) if `leaf` has its
+        shape; None for a leaf the state does not hold (a step may pass anything)."""
+        plan = self.params.get(path_str(path))
+        return plan if plan is not None and plan.shape == tuple(np.shape(leaf)) else None
+
+    def param_specs(self, params, which: str = "spec"):
+        """A pytree like `params` of each parameter's `which` spec ('spec': storage,
+        'grad_spec': reduced gradient, 'sharded_spec': split over the ZeRO axis); P() for
+        leaves the state does not hold."""
+
+        def spec(path, leaf):
+            plan = self.param_plan(path, leaf)
+            return P() if plan is None else getattr(plan, which)
+
+        return jax.tree_util.tree_map_with_path(spec, params)
 
 
 def key_name(key) -> str:
@@ -133,6 +181,14 @@ def category_of(path) -> str:
     return head if head in (PARAMS, OPT_STATE) else OTHER
 
 
+def stage_splits(cfg: ZeroConfig, category: str) -> bool:
+    """Whether `cfg`'s stage splits leaves of `category` at rest: the optimizer state from
+    stage 1, the parameters at stage 3 (gradients are not stored)."""
+    if category == OPT_STATE:
+        return cfg.shards_optimizer_state
+    return category == PARAMS and cfg.shards_parameters
+
+
 def params_key(state) -> tuple:
     """The (path, shape) of every parameter of `state`: what tells one model's states from
     another's (16-bit and fp32, abstract and placed states of one model share it)."""
@@ -143,12 +199,10 @@ def params_key(state) -> tuple:
     )
 
 
-def plan_state(
-    state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None
-) -> tuple[object, list[LeafPlan]]:
-    """Storage PartitionSpecs for every leaf of `state` (a pytree of arrays or ShapeDtypeStructs)
-    and the per-leaf plan. The state holds its parameters under a `params` field or key, or is a
-    tuple `(params, opt_state, ...)`. `tensor` maps parameter paths to their `TensorSpec`."""
+def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None) -> StateLayout:
+    """The `StateLayout` of `state` (a pytree of arrays or ShapeDtypeStructs) holding its
+    parameters under a `params` field or key, or a tuple `(params, opt_state, ...)`. `tensor`
+    maps parameter paths to their `TensorSpec`. Use `ZeroShard.layout`, which caches it."""
     tensor = tensor or {}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     params = [x for p, x in leaves if category_of(p) == PARAMS]
@@ -166,25 +220,30 @@ def plan_state(
     plans = []
     for path, leaf in leaves:
         cat = category_of(path)
+        sharded = dim = grad = layout = None  # parameters only
         if cat == PARAMS:
             sub = path_str(path[1:])
             layout = tensor.get(sub)
-            spec, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout)
-            param_specs[sub] = (tuple(leaf.shape), spec, reason)
-            if cfg.stage < 3:
-                spec = layout.spec() if layout else P()
+            sharded, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout)
+            param_specs[sub] = (tuple(leaf.shape), sharded, reason)
+            whole = layout.spec() if layout else P()  # over the ZeRO axis
+            spec = sharded if cfg.shards_parameters else whole
+            if not cfg.shards_parameters:
                 reason = f"replicated: stage {cfg.stage} keeps parameters whole"
             if layout and any(layout.axes):
                 reason += f" (tensor axes {layout.spec()})"
+            dim = split_dim(sharded, cfg.axis)
+            grad = sharded if cfg.shards_gradients else whole
         elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
             spec, reason = _spec_on(0, len(leaf.shape), cfg.axis), "per-device buffer"
-        elif cat == OPT_STATE and cfg.stage >= 1:
-            spec, reason = _follow_param(
-                path_str(path[1:]), leaf.shape, param_specs, cfg, axis_size
-            )
         elif cat == OPT_STATE:
             spec, reason = _follow_param(
-                path_str(path[1:]), leaf.shape, param_specs, cfg, axis_size, tensor_only=True
+                path_str(path[1:]),
+                leaf.shape,
+                param_specs,
+                cfg,
+                axis_size,
+                tensor_only=not cfg.shards_optimizer_state,
             )
         else:
             spec, reason = P(), "replicated: not params or optimizer state"
@@ -198,10 +257,22 @@ def plan_state(
                 reason,
                 _memory_kind(cat, path, leaf, cfg),
                 leaf.dtype.itemsize,
+                sharded_spec=sharded,
+                split_dim=dim,
+                grad_spec=grad,
+                tensor=layout,
             )
         )
     _warn_large_replicated(plans, axis_size)
-    return jax.tree_util.tree_unflatten(treedef, [p.spec for p in plans]), plans
+    return StateLayout(treedef, tuple(plans))
+
+
+def split_dim(spec: P, axis) -> int | None:
+    """The dimension `spec` splits over `axis`, or None when it keeps the leaf whole."""
+    for dim, name in enumerate(spec):
+        if name == axis or (isinstance(name, tuple) and axis in name):
+            return dim
+    return None
 
 
 def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
@@ -269,18 +340,6 @@ def _warn_large_replicated(plans, n):
             category=ZeroWarning,
             stacklevel=3,
         )
-
-
-def variables_specs(variables, cfg: ZeroConfig, axis_size: int):
-    """Specs of the `variables` a step passes to `apply_fn`, matching their storage: the
-    `params` collection as the state's parameters, every other collection replicated."""
-
-    def spec(path, leaf):
-        if cfg.stage == 3 and path and key_name(path[0]) == PARAMS:
-            return split_spec(leaf.shape, cfg.axis, axis_size, cfg, path_str(path[1:]))[0]
-        return P()
-
-    return jax.tree_util.tree_map_with_path(spec, variables)
 
 
 def check_placed(state, shardings):

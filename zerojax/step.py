@@ -22,11 +22,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.gather import split_dim
 from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
-from zerojax.flax.nnx import is_nnx
+from zerojax.flax.nnx import NNX_UNMANAGED, traced_step
 from zerojax.hook import hooked_apply_fn, local_apply_fn
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
@@ -39,12 +38,14 @@ from zerojax.optim import (
     present,
     update_metrics,
 )
-from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed, path_str, split_spec
+from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed, split_dim
+from zerojax.state import Boundary, split_call
 
 
 class ZeroStep:
     """A zerojax train step: a `jax.jit` function with the state's shardings, donation and
-    batch placement. `.lower(state, batch)` gives the usual jax `Lowered` for inspection."""
+    batch placement. `.trace(state, batch)` and `.lower(state, batch)` give the usual jax
+    `Traced` and `Lowered` for inspection."""
 
     def __init__(self, zero, fn):
         self.zero, self.fn = zero, fn
@@ -56,17 +57,24 @@ class ZeroStep:
         self._last_micro: weakref.ref | None = None
         self._next_micro, self._min_scale_flag = 0, None
         self._nonfinite_flag = None  # (skipped?, step, skipped so far) of the last update
-        self._nnx = None  # the NnxStep, when called with NNX objects
         functools.update_wrapper(self, fn)
 
     # ---- calling -----------------------------------------------------------------------------
-    def __call__(self, state, batch, *extra):
-        if is_nnx(state):  # fn(model, optimizer, ..., batch): see zerojax.flax.nnx
-            return self._nnx_step()(state, batch, *extra)
+    def __call__(self, *args):
+        """`step(state, batch, *extra)`, or for NNX objects `step(model, optimizer, ...,
+        batch, *extra)` (the objects are updated in place and `fn`'s return value returned)."""
+        call, batch, extra = split_call(args)
+        if call.objects is not None:
+            jitted, shardings, batch = self._prepare(call, batch, extra, False)
+            check_placed(call.tree, shardings)
+            new_tree, out = jitted(call.tree, batch, *extra)
+            call.objects.update(args[: len(args) - len(extra) - 1], new_tree)
+            return out
+        state = call.tree
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(state)
-        jitted, shardings, batch = self._prepare(state, batch, extra, self._is_micro(micro_index))
+        jitted, shardings, batch = self._prepare(call, batch, extra, self._is_micro(micro_index))
         check_placed(state, shardings)
         out = jitted(state, batch, *extra)
         self._warn_if_not_hooked()
@@ -108,21 +116,18 @@ class ZeroStep:
             stacklevel=3,
         )
 
-    def lower(self, state, batch, *extra, micro: bool = False) -> jax.stages.Lowered:
-        """Lower the optimizer-step variant (or, with micro=True, the accumulate-only one)."""
-        if is_nnx(state):
-            return self._nnx_step().lower(state, batch, *extra)
+    def trace(self, *args, micro: bool = False) -> jax.stages.Traced:
+        """Trace the optimizer-step variant (or, with micro=True, the accumulate-only one):
+        the usual jax `Traced`, with its `.jaxpr`."""
+        state, batch, extra = split_call(args)
         jitted, _, batch = self._prepare(state, batch, extra, micro)
-        lowered = jitted.lower(state, batch, *extra)
+        traced = jitted.trace(state.tree, batch, *extra)
         self._warn_if_not_hooked()
-        return lowered
+        return traced
 
-    def _nnx_step(self):
-        if self._nnx is None:
-            from zerojax.flax.nnx import NnxStep
-
-            self._nnx = NnxStep(self.zero, self.fn)
-        return self._nnx
+    def lower(self, *args, micro: bool = False) -> jax.stages.Lowered:
+        """`trace(...)` lowered: the usual jax `Lowered`, to compile or inspect."""
+        return self.trace(*args, micro=micro).lower()
 
     def _micro_index(self, state) -> int:
         cfg = self.zero.config
@@ -152,26 +157,46 @@ class ZeroStep:
                 "precision='bf16', or lower min_loss_scale."
             )
 
-    def _prepare(self, state, batch, extra, micro: bool):
-        """(jitted function, state shardings, placed batch), compiled once per layout/variant."""
+    def _prepare(self, state: Boundary, batch, extra, micro: bool):
+        """(jitted function, state shardings, placed batch), compiled once per structure,
+        shapes and variant."""
+        tree, objects = state.tree, state.objects
         batch = self.zero.place_batch(batch)
         key = (
-            jax.tree_util.tree_structure((state, batch, extra)),
+            jax.tree_util.tree_structure((tree, batch, extra)),
             micro,
-            tuple(np.shape(x) for x in jax.tree_util.tree_leaves((state, batch))),
+            None if objects is None else objects.graphdef,
+            tuple(np.shape(x) for x in jax.tree_util.tree_leaves((tree, batch))),
         )
         if key not in self._jitted:
-            shardings = self.zero.state_shardings(state)
-            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
-            jitted = jax.jit(
-                functools.partial(self._traced, shardings, rows, micro),
-                donate_argnums=(0,) if self.zero.config.donate else (),
-            )
-            self._jitted[key] = (jitted, shardings)
+            shardings, layout = self.zero.state_shardings(tree), self.zero.layout(tree)
+            if objects is None:
+                rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
+                traced = functools.partial(self._traced, layout, shardings, rows, micro)
+            else:
+                self._check_objects_supported()
+                traced = traced_step(self.fn, objects, shardings)
+            donate = (0,) if self.zero.config.donate else ()
+            self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings)
         return (*self._jitted[key], batch)
 
+    def _check_objects_supported(self):
+        """NNX objects: zerojax does not manage their update, and XLA places the collectives."""
+        cfg = self.zero.config
+        if cfg.manages_update:
+            raise ZeroError(NNX_UNMANAGED)
+        if cfg.explicit_collectives and cfg.shards_gradients and not self._jitted:
+            warnings.warn(
+                "zerojax: NNX steps leave every collective to XLA's partitioner (the "
+                "per-device apply_fn hook and gather_on_use are Linen's): the state is "
+                f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
+                "not reduce-scattered.",
+                category=ZeroWarning,
+                stacklevel=4,
+            )
+
     # ---- tracing -----------------------------------------------------------------------------
-    def _traced(self, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced(self, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
         state = jax.lax.with_sharding_constraint(state, shardings)
         host_update = cfg.offload_update == "host"
@@ -179,14 +204,14 @@ class ZeroStep:
             state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
         )
         if cfg.manages_update and cfg.accumulates_locally:
-            out = self._traced_local(shardings, micro, state, batch, *extra)
+            out = self._traced_local(layout, shardings, micro, state, batch, *extra)
         else:
-            out = self._traced_global(shardings, batch_rows, micro, state, batch, *extra)
+            out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
         if cfg.precision != "fp32" and not micro:
             out = _cast_before_gather(out, state, shardings)
         return _constrain_new_state(out, state, shardings)
 
-    def _traced_global(self, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced_global(self, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg, mesh = self.zero.config, self.zero.mesh
         original, calls = getattr(state, "apply_fn", None), []
         managed = cfg.manages_update
@@ -203,7 +228,7 @@ class ZeroStep:
         ):
             view = view.replace(
                 apply_fn=hooked_apply_fn(
-                    original, mesh, self.zero.comm, cfg, batch_rows, calls, scale
+                    original, mesh, self.zero.comm, cfg, layout, batch_rows, calls, scale
                 )
             )
         elif managed and cfg.precision != "fp32":
@@ -232,20 +257,10 @@ class ZeroStep:
                 opt_state=accumulate(state.opt_state, grads), step=state.step
             )
         else:
-            new_state = self._update(shardings, new_state, state.step, grads)
+            new_state = self._update(layout, shardings, new_state, state.step, grads)
         return _with_metrics(new_state, rest)
 
-    def _grad_specs(self, params, split: bool | None = None):
-        """Specs of the reduced gradients: split like the optimizer state (from stage 2 on,
-        unless `split` says otherwise), else whole."""
-        cfg, n = self.zero.config, self.zero.shard_size
-        split = cfg.stage >= 2 if split is None else split
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: split_spec(x.shape, cfg.axis, n, cfg, path_str(p))[0] if split else P(),
-            params,
-        )
-
-    def _update(self, shardings, new_state, old_step, grads):
+    def _update(self, layout, shardings, new_state, old_step, grads):
         """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
         cfg = self.zero.config
         if cfg.offload_update != "host":
@@ -253,7 +268,7 @@ class ZeroStep:
         mesh, opt = self.zero.mesh, shardings.opt_state
         grads_sh = jax.tree_util.tree_map(  # gradients split like the master
             lambda spec: NamedSharding(mesh, spec),
-            self._grad_specs(new_state.params, True),
+            layout.param_specs(new_state.params, "sharded_spec"),
             is_leaf=lambda x: isinstance(x, P),
         )
         host = (
@@ -270,11 +285,11 @@ class ZeroStep:
             run_optimizer=functools.partial(optimizer_on_host, shardings=host),
         )
 
-    def _traced_local(self, shardings, micro, state, batch, *extra):
+    def _traced_local(self, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
         axis, n = comm.data_axis, comm.data_size
         specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
-        param_grad_specs = self._grad_specs(state.params)
+        param_grad_specs = layout.param_specs(state.params, "grad_spec")
         original, calls = state.apply_fn, []
         scale = state.opt_state.scale if cfg.precision == "fp16" else None
 
@@ -330,14 +345,14 @@ class ZeroStep:
         if micro:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
         else:
-            new_state = self._update(shardings, new_state, state.step, reduced)
+            new_state = self._update(layout, shardings, new_state, state.step, reduced)
         return _with_metrics(new_state, rest)
 
     def _warn_if_not_hooked(self):
         if (
             self.zero.config.explicit_collectives
             and self.used_explicit_collectives is False
-            and self.zero.config.stage >= 2
+            and self.zero.config.shards_gradients
             and not self._warned
         ):
             self._warned = True

@@ -23,14 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.hierarchy import Comm, gather_weight, reduce_gradient
-
-
-def split_dim(spec: P, axis: str):
-    """The dimension `spec` splits over `axis`, or None when it keeps the leaf whole."""
-    for dim, name in enumerate(spec):
-        if name == axis or (isinstance(name, tuple) and axis in name):
-            return dim
-    return None
+from zerojax.rules import split_dim
 
 
 def to_compute(x, compute_dtype):

@@ -4,24 +4,20 @@ NNX objects are mutable Python graphs; zerojax's rules work on pytrees. `NnxLayo
 objects a user passes into one dict state, `{'params': the nnx.Param variables, 'opt_state':
 the optimizer's variables, 'other': the rest (RNG streams, batch statistics)}`, which the rules
 place like any train state, and merges such a state back into objects inside the jitted step,
-as `nnx.jit` does. `NnxStep` runs `fn(model, optimizer, batch, *extra)` that way and updates
-the caller's objects in place. Sharding metadata on NNX variables (`nnx.with_partitioning`)
-becomes the parameters' tensor-parallel layout, as Linen's boxes do.
+as `nnx.jit` does; `ZeroStep` runs `fn(model, optimizer, batch, *extra)` that way
+(`traced_step`) and updates the caller's objects in place. Sharding metadata on NNX variables
+(`nnx.with_partitioning`) becomes the parameters' tensor-parallel layout, as Linen's boxes do.
+`zerojax.state` decides which states are NNX objects.
 """
 
 from __future__ import annotations
 
-import functools
-import warnings
-
 import jax
 from flax import nnx
 
-from zerojax.config import ZeroError
-from zerojax.errors import ZeroWarning
 from zerojax.flax.annotations import tensor_spec
 from zerojax.offload import to_device, to_storage
-from zerojax.rules import check_placed, path_str
+from zerojax.rules import path_str
 
 FIELDS = ("params", "opt_state", "other")
 NNX_UNMANAGED = (
@@ -35,13 +31,6 @@ def nnx_building():
     """The context `zero.init` builds models in: variables keep their sharding metadata but
     are not sharded eagerly (zerojax places the whole state afterwards)."""
     return nnx.use_eager_sharding(False)
-
-
-def is_nnx(x) -> bool:
-    """Whether `x` (or, for a tuple, its first item) is an NNX module, optimizer or graph."""
-    if isinstance(x, tuple) and x:
-        x = x[0]
-    return isinstance(x, nnx.Pytree)
 
 
 class NnxLayout:
@@ -115,86 +104,14 @@ def _strip(pure: dict, head):
     return pure if head is None else pure.get(head, {})
 
 
-def as_objects(out):
-    """`init_fn`'s result as a tuple of objects, and a function giving it back in its shape."""
-    if isinstance(out, tuple):
-        return out, lambda objs: objs
-    return (out,), lambda objs: objs[0]
+def traced_step(fn, layout: NnxLayout, shardings):
+    """`fn(*objects, batch, *extra)` as a function of the objects' placed dict state, returning
+    (the new dict state, `fn`'s return value): what `ZeroStep` jits for NNX objects."""
 
+    def traced(state, batch, *extra):
+        state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
+        objs = layout.merge(state)
+        out = fn(*objs, batch, *extra)
+        return to_storage(layout.to_state(objs), shardings), out
 
-def nnx_state(out) -> dict:
-    """The dict state of NNX objects (one, or a tuple), as zerojax's rules see it."""
-    return NnxLayout(as_objects(out)[0]).state
-
-
-def split_args(args: tuple) -> tuple:
-    """(objects, batch, extra) of a call `step(model, optimizer, ..., batch, *extra)`."""
-    count = next((i for i, a in enumerate(args) if not is_nnx(a)), len(args))
-    if count == len(args):
-        raise ZeroError(
-            "an NNX zerojax step is called as step(model, optimizer, ..., batch, "
-            "*extra): no batch came after the NNX objects."
-        )
-    return args[:count], args[count], args[count + 1 :]
-
-
-class NnxStep:
-    """`fn(*objects, batch, *extra)` jitted with the objects' state placed by `zero`'s rules;
-    the objects are updated in place and `fn`'s return value is returned."""
-
-    def __init__(self, zero, fn):
-        self.zero, self.fn = zero, fn
-        self._jitted = {}
-        functools.update_wrapper(self, fn)
-
-    def __call__(self, *args):
-        objs, batch, extra = split_args(args)
-        jitted, shardings, layout, batch = self._prepare(objs, batch, extra)
-        check_placed(layout.state, shardings)
-        new_state, out = jitted(layout.state, batch, *extra)
-        layout.update(objs, new_state)
-        return out
-
-    def lower(self, *args):
-        objs, batch, extra = split_args(args)
-        jitted, _, layout, batch = self._prepare(objs, batch, extra)
-        return jitted.lower(layout.state, batch, *extra)
-
-    def _prepare(self, objs, batch, extra):
-        """(jitted step, state shardings, the objects' layout, placed batch), compiled once
-        per structure and shapes."""
-        cfg = self.zero.config
-        if cfg.manages_update:
-            raise ZeroError(NNX_UNMANAGED)
-        batch = self.zero.place_batch(batch)
-        layout = NnxLayout(objs)
-        key = (
-            jax.tree_util.tree_structure((layout.state, batch, extra)),
-            layout.graphdef,
-            tuple(
-                getattr(x, "shape", ()) for x in jax.tree_util.tree_leaves((layout.state, batch))
-            ),
-        )
-        if key not in self._jitted:
-            shardings = self.zero.state_shardings(layout.state)
-            if cfg.explicit_collectives and cfg.stage >= 2 and not self._jitted:
-                warnings.warn(
-                    "zerojax: NNX steps leave every collective to XLA's partitioner (the "
-                    "per-device apply_fn hook and gather_on_use are Linen's): the state is "
-                    f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
-                    "not reduce-scattered.",
-                    category=ZeroWarning,
-                    stacklevel=4,
-                )
-
-            def traced(state, batch, *extra):
-                state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
-                objs = layout.merge(state)
-                out = self.fn(*objs, batch, *extra)
-                return to_storage(layout.to_state(objs), shardings), out
-
-            self._jitted[key] = (
-                jax.jit(traced, donate_argnums=(0,) if cfg.donate else ()),
-                shardings,
-            )
-        return (*self._jitted[key], layout, batch)
+    return traced

@@ -1,0 +1,83 @@
+"""The API boundary: every kind of train state a user passes, as the one pytree the engine sees.
+
+A flax `TrainState`, a `struct` dataclass, a dict or a `(params, opt_state, ...)` tuple already
+is that pytree: the rules find its parts by field, key or position (`rules.category_of`). NNX
+objects (a model, an `nnx.Optimizer`, ..., alone or in a tuple) become the dict
+`{params, opt_state, other}` (see zerojax.flax.nnx). `boundary(x)` gives the pytree and a
+function that turns such a pytree back into `x`'s kind; past it, nothing asks which kind of
+state it holds. This module is the only one that does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from flax import nnx
+
+from zerojax.config import ZeroConfig, ZeroError
+from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout
+
+
+def _is_objects(x) -> bool:
+    """Whether `x` (or, for a tuple, its first item) is an NNX module, optimizer or graph."""
+    if isinstance(x, tuple) and x:
+        x = x[0]
+    return isinstance(x, nnx.Pytree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """One user state at the boundary: `tree`, the pytree the engine works on, and
+    `rebuild(tree)`, a state of the user's kind holding `tree`'s arrays. `objects` is the NNX
+    layout when the user passed NNX objects (None for a pytree state)."""
+
+    tree: Any
+    rebuild: Callable[[Any], Any]
+    objects: NnxLayout | None = None
+
+    def tensor_specs(self, mesh, cfg: ZeroConfig) -> dict:
+        """{parameter path: TensorSpec} the NNX variables' sharding metadata declares (a
+        pytree state's Linen boxes are read when it is adopted: `ZeroShard.adopt`)."""
+        if self.objects is None:
+            return {}
+        if cfg.manages_update:
+            raise ZeroError(NNX_UNMANAGED)
+        return self.objects.tensor_specs(mesh, cfg)
+
+
+def boundary(x) -> Boundary:
+    """The `Boundary` of a user state (concrete or abstract)."""
+    if not _is_objects(x):
+        return Boundary(x, lambda tree: tree)
+    single = not isinstance(x, tuple)
+    layout = NnxLayout((x,) if single else x)
+
+    def rebuild(tree):
+        objs = layout.merge(tree)
+        return objs[0] if single else objs
+
+    return Boundary(layout.state, rebuild, layout)
+
+
+def tree_of(x):
+    """The pytree the engine sees for the user state `x`."""
+    return boundary(x).tree
+
+
+def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:
+    """(the state's boundary, batch, extra) of a step call: `step(state, batch, *extra)` for a
+    pytree state, `step(model, optimizer, ..., batch, *extra)` for NNX objects."""
+    count = next((i for i, a in enumerate(args) if not _is_objects(a)), len(args))
+    if count == 0:
+        if len(args) < 2:
+            raise ZeroError("a zerojax step is called as step(state, batch, *extra).")
+        return boundary(args[0]), args[1], args[2:]
+    if count == len(args):
+        raise ZeroError(
+            "an NNX zerojax step is called as step(model, optimizer, ..., batch, "
+            "*extra): no batch came after the NNX objects."
+        )
+    objs = args[:count]
+    return boundary(objs if count > 1 else objs[0]), args[count], args[count + 1 :]
