@@ -2,11 +2,10 @@
 d_model 256, 4 heads, SwiGLU 688, vocab 256, untied head, seq 128, global batch 64, fp32 AdamW)
 trained by zerojax stages 0 and 3 on 8 simulated devices, by a hand-written `jax.jit` FSDP
 (zerojax stage 3 placement with explicit_collectives=False: XLA places the collectives), and
-by PyTorch DDP and FSDP2 on 8 gloo processes (`../shared/peers/torch_lm.py`).
+by PyTorch DDP and FSDP2 on 8 gloo processes (`bench/torch_lm.py`).
 
     pip install torch==2.13.0        # the CPU build; a benchmark tool, never a zerojax dependency
     python bench/peers_speed.py [--rounds 3] [--steps 10]
-    (the peer script is ../shared/peers/torch_lm.py beside the repository, or $ZEROJAX_TORCH_LM)
 
 Contenders alternate, round after round, each a fresh process timing --steps steps after 3
 warm-up steps; a contender's figure is the median over rounds of its per-round median step
@@ -16,7 +15,6 @@ tokens/s. Writes bench/results/peers_speed.json and .png.
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -24,8 +22,7 @@ import sys
 
 from benchlib import run_with_devices, write_results
 
-ROOT = pathlib.Path(__file__).parent.parent
-TORCH_LM = os.environ.get("ZEROJAX_TORCH_LM", str(ROOT.parent / "shared" / "peers" / "torch_lm.py"))
+TORCH_LM = str(pathlib.Path(__file__).parent / "torch_lm.py")
 SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
 JAX = {
     "zerojax stage 0": dict(stage=0),
