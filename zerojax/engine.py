@@ -27,7 +27,7 @@ from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
-from zerojax.rules import DEVICE, LeafPlan, StateLayout, params_key, path_str, plan_state
+from zerojax.rules import LeafPlan, StateLayout, params_key, path_str, plan_state
 from zerojax.state import Boundary, boundary, tree_of
 from zerojax.step import ZeroStep
 
@@ -94,16 +94,7 @@ class ZeroShard:
     def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
         (NNX objects: one per leaf of their dict state `{params, opt_state, other}`)."""
-        layout = self.layout(state)
-        return jax.tree_util.tree_unflatten(
-            layout.treedef,
-            [
-                NamedSharding(
-                    self.mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory
-                )
-                for p in layout.plans
-            ],
-        )
+        return self.layout(state).shardings(self.mesh)
 
     def tensor_layout(self, state: PyTree) -> dict:
         """{parameter path: TensorSpec} the model of `state` declared when its state was

@@ -125,7 +125,7 @@ def hooked_apply_fn(
             split_dims={
                 path_str(p[1:]): plan.split_dim
                 for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)
-                if plan is not None and cfg.shards_parameters
+                if plan is not None
             },
             stored_ndim={
                 path_str(p[1:]): np.ndim(x) for p, x in flat_vars if key_name(p[0]) == PARAMS

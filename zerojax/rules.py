@@ -17,6 +17,7 @@ import warnings
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig, ZeroError
@@ -62,9 +63,16 @@ class StateLayout:
     treedef: object
     plans: tuple[LeafPlan, ...]
 
-    def specs(self):
-        """The storage PartitionSpecs as a pytree of the state's structure."""
-        return jax.tree_util.tree_unflatten(self.treedef, [p.spec for p in self.plans])
+    def shardings(self, mesh):
+        """The storage NamedShardings (spec and memory kind) as a pytree of the state's
+        structure."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef,
+            [
+                NamedSharding(mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
+                for p in self.plans
+            ],
+        )
 
     @functools.cached_property
     def params(self) -> dict[str, LeafPlan]:

@@ -169,7 +169,8 @@ class ZeroStep:
             tuple(np.shape(x) for x in jax.tree_util.tree_leaves((tree, batch))),
         )
         if key not in self._jitted:
-            shardings, layout = self.zero.state_shardings(tree), self.zero.layout(tree)
+            layout = self.zero.layout(tree)
+            shardings = layout.shardings(self.zero.mesh)
             if objects is None:
                 rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
                 traced = functools.partial(self._traced, layout, shardings, rows, micro)
