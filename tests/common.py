@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax.training import train_state
 
 from zerojax.models import GPT, GPTConfig
@@ -25,12 +26,50 @@ def subprocess_env(**extra) -> dict:
     return {**env, **extra}
 
 
+def slow(*cases):
+    """Parametrize cases for the slow lane only (`pytest -m slow`): more of a matrix whose
+    feature the default run already covers with another case, kept out of it for time."""
+    return [
+        pytest.param(*c if isinstance(c, tuple) else (c,), marks=pytest.mark.slow) for c in cases
+    ]
+
+
 def make_init(tx, model=MODEL, cfg=CFG):
     def init_fn(key):
         params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     return init_fn
+
+
+_INITIAL_PARAMS: dict = {}
+_init_params = jax.jit(
+    lambda key: MODEL.init(key, jnp.zeros((1, CFG.seq_len), jnp.int32))["params"]
+)
+
+
+def initial_state(tx, key=0):
+    """What `make_init(tx)(jax.random.key(key))` creates, from MODEL's parameters computed once
+    per process and kept on the host (numpy: no step can donate them). Tests that do not test
+    `zero.init` start from it with `zero.shard` (one cheap placement) instead of compiling an
+    init program per configuration; test_parity's stage sweep checks `zero.init` itself."""
+    if key not in _INITIAL_PARAMS:
+        params = _init_params(jax.random.key(key))
+        _INITIAL_PARAMS[key] = jax.tree_util.tree_map(np.asarray, params)
+    return train_state.TrainState.create(apply_fn=MODEL.apply, params=_INITIAL_PARAMS[key], tx=tx)
+
+
+_HOST_STATES: dict = {}
+
+
+def host_state(init_fn, key=0):
+    """`init_fn(jax.random.key(key))` (a fixed, module-level init function) computed once per
+    process on one device and kept on the host: `zero.shard(host_state(INIT))` starts a test
+    from it without compiling an init program per configuration."""
+    if (init_fn, key) not in _HOST_STATES:
+        state = jax.jit(init_fn)(jax.random.key(key))
+        _HOST_STATES[init_fn, key] = jax.tree_util.tree_map(np.asarray, state)
+    return _HOST_STATES[init_fn, key]
 
 
 def train_step(state, batch):
@@ -55,7 +94,7 @@ def batches(n_steps, batch_size=16, cfg=CFG, seed=0):
 
 def train_single_device(tx, data, key=0):
     """Plain optax training on one device: the reference every stage must match."""
-    state = jax.device_put(make_init(tx)(jax.random.key(key)), jax.devices()[0])
+    state = jax.device_put(initial_state(tx, key), jax.devices()[0])
     step = jax.jit(train_step)
     losses = []
     for batch in data:
@@ -64,8 +103,13 @@ def train_single_device(tx, data, key=0):
     return state, losses
 
 
-def train_zero(zero, tx, data, key=0):
-    state = zero.init(make_init(tx), jax.random.key(key))
+def train_zero(zero, tx, data, key=0, via_init=False):
+    """`zero` training from `initial_state(tx, key)` placed by `zero.shard`, or with
+    via_init=True created by `zero.init` (sharded from the start)."""
+    if via_init:
+        state = zero.init(make_init(tx), jax.random.key(key))
+    else:
+        state = zero.shard(initial_state(tx, key))
     step = zero(train_step)
     losses = []
     for batch in data:

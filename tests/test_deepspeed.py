@@ -7,9 +7,10 @@ import subprocess
 import sys
 import warnings
 
+import jax
 import optax
 import pytest
-from common import batches, train_zero
+from common import batches, make_init, slow, train_step, train_zero
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -173,8 +174,27 @@ def test_non_strict_turns_unknown_keys_into_one_warning():
     assert cfg.stage == 2
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.json")), ids=lambda p: p.name)
-def test_every_preset_trains_one_step(path):
+PRESETS = sorted(CONFIGS.glob("*.json"))
+TRAINED = ("zero2_fp16.json", "zero3_offload.json", "zero3_zeropp.json")
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_traces_a_step(path):
+    # tracing runs every decision the preset's options make (layout, hook, update, offload
+    # moves) without compiling; the presets below, and all of them in the slow lane, train
+    zero = zj.zero_shard(config=str(path))
+    abstract = zero.eval_shape(make_init(optax.adam(1e-3)), jax.random.key(0))
+    traced = zero(train_step).trace(abstract, batches(1)[0])
+    assert traced.jaxpr.eqns
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in PRESETS if p.name in TRAINED]
+    + slow(*(p for p in PRESETS if p.name not in TRAINED)),
+    ids=lambda p: p.name,
+)
+def test_presets_train_one_step(path):
     zero = zj.zero_shard(config=str(path))
     _, losses = train_zero(zero, optax.adam(1e-3), batches(1))
     assert len(losses) == 1 and losses[0] > 0

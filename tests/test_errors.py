@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, make_init, train_step
+from common import batches, initial_state, train_step
 
 import zerojax as zj
 
@@ -13,7 +13,7 @@ import zerojax as zj
 @pytest.fixture(scope="module")
 def zero_and_state():
     zero = zj.zero_shard(stage=3)
-    return zero, zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    return zero, zero.shard(initial_state(optax.adam(1e-3)))
 
 
 def test_batch_not_divisible_by_devices(zero_and_state):
@@ -48,7 +48,7 @@ def test_bad_options(kwargs, match):
 
 def test_state_not_placed_by_zero(zero_and_state):
     zero, _ = zero_and_state
-    plain = jax.device_put(make_init(optax.adam(1e-3))(jax.random.key(0)), jax.devices()[0])
+    plain = jax.device_put(initial_state(optax.adam(1e-3)), jax.devices()[0])
     with pytest.raises(zj.ZeroError, match="zero.shard\\(state\\)"):
         zero(train_step)(plain, batches(1)[0])
 
@@ -84,7 +84,7 @@ def test_a_good_state_is_left_usable_after_a_failed_call(zero_and_state):
 
 def test_managed_update_needs_a_managed_state():
     zero = zj.zero_shard(stage=2, precision="bf16")
-    plain = zj.zero_shard(stage=2).init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    plain = zj.zero_shard(stage=2).shard(initial_state(optax.adam(1e-3)))
     with pytest.raises(zj.ZeroError, match="zero.init\\(...\\) or zero.shard\\(state\\)"):
         zero(train_step)(plain, batches(1)[0])
     managed = zero.shard(plain)  # shard() adds master weights and buffers
@@ -94,7 +94,7 @@ def test_managed_update_needs_a_managed_state():
 
 def test_apply_gradients_twice_in_a_managed_step():
     zero = zj.zero_shard(stage=1, gradient_clipping=1.0)
-    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    state = zero.shard(initial_state(optax.adam(1e-3)))
 
     def twice(state, batch):
         new, metrics = train_step(state, batch)
@@ -106,6 +106,6 @@ def test_apply_gradients_twice_in_a_managed_step():
 
 def test_bf16_needs_the_apply_fn_hook():
     zero = zj.zero_shard(stage=2, precision="bf16", explicit_collectives=False)
-    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    state = zero.shard(initial_state(optax.adam(1e-3)))
     with pytest.raises(zj.ZeroError, match="explicit_collectives=True"):
         zero(train_step)(state, batches(1)[0])

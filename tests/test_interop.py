@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import CFG, MODEL, batches, make_init, train_step
+from common import CFG, MODEL, batches, initial_state, train_step
 from flax import serialization
 from flax.training import train_state
 
@@ -50,7 +50,7 @@ def write_safetensors(path, tensors: dict):
 @pytest.fixture(scope="module")
 def hf_file(tmp_path_factory):
     """Pretrained-looking weights (another seed than the zerojax init), saved HF style."""
-    params = make_init(TX())(jax.random.key(7)).params
+    params = initial_state(TX(), 7).params
     tensors = {}
     for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         path = "/".join(str(k.key) for k in p)
@@ -77,7 +77,7 @@ def test_hf_file_loads_shard_by_shard_and_trains_like_one_device(hf_file, monkey
 
     monkeypatch.setattr(interop, "_tensor", lambda *a: Logged(original(*a), a[-1]))
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
-    state = zero.init(make_init(TX()), jax.random.key(0))
+    state = zero.shard(initial_state(TX()))
     state = zero.load_safetensors(state, file, names=hf_name, transpose=stored_transposed)
     for got, ref in zip(
         jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want), strict=True
@@ -103,7 +103,7 @@ def test_hf_file_loads_shard_by_shard_and_trains_like_one_device(hf_file, monkey
 def test_bf16_state_loads_its_fp32_master(hf_file):
     file, want = hf_file
     zero = zj.zero_shard(stage=3, precision="bf16")
-    state = zero.init(make_init(TX()), jax.random.key(0))
+    state = zero.shard(initial_state(TX()))
     state = zero.load_safetensors(state, file, names=hf_name, transpose=stored_transposed)
     kernel = want["head"]["kernel"]
     np.testing.assert_array_equal(np.asarray(state.opt_state.master["head"]["kernel"]), kernel)
@@ -116,7 +116,7 @@ def test_bf16_state_loads_its_fp32_master(hf_file):
 def test_load_errors_name_the_tensor(hf_file, tmp_path):
     file, _ = hf_file
     zero = zj.zero_shard(stage=3)
-    state = zero.init(make_init(TX()), jax.random.key(0))
+    state = zero.shard(initial_state(TX()))
     with pytest.raises(zj.ZeroError, match="no tensor named Embed_0.embedding.*names="):
         zero.load_safetensors(state, file)
     with pytest.raises(zj.ZeroError, match=r"needs \(64, 256\)"):
@@ -130,7 +130,7 @@ def test_exported_weights_load_into_a_plain_flax_model_on_one_device(tmp_path):
     from zerojax.export import export
 
     zero = zj.zero_shard(stage=3, precision="bf16")
-    state = zero.init(make_init(TX()), jax.random.key(0))
+    state = zero.shard(initial_state(TX()))
     step = zero(train_step)
     for batch in DATA:
         state, _ = step(state, batch)
@@ -154,7 +154,7 @@ def test_exported_weights_load_into_a_plain_flax_model_on_one_device(tmp_path):
     export(str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"), dtype="fp32")
     other = zj.zero_shard(stage=1, mesh=zj.make_mesh(jax.devices()[:2]))
     again = other.load_safetensors(
-        other.init(make_init(TX()), jax.random.key(3)), str(tmp_path / "w.safetensors")
+        other.shard(initial_state(TX(), 3)), str(tmp_path / "w.safetensors")
     )
     for got, ref in zip(
         jax.tree_util.tree_leaves(again.params), jax.tree_util.tree_leaves(master), strict=True

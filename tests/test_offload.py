@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import assert_trees_close
+from common import assert_trees_close, host_state
 
 import zerojax as zj
 from zerojax.models.gpt import make_init, train_step
@@ -31,7 +31,7 @@ def train(**options):
     key = repr(sorted(options.items()))
     if key not in RUNS:
         zero = zj.zero_shard(persistence_threshold=0, **options)
-        state, step, losses = zero.init(INIT, jax.random.key(0)), zero(train_step), []
+        state, step, losses = zero.shard(host_state(INIT)), zero(train_step), []
         for batch in DATA:
             state, m = step(state, batch)
             losses.append(float(m["loss"]))

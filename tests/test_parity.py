@@ -8,7 +8,7 @@ from common import (
     PARITY_RTOL,
     assert_trees_close,
     batches,
-    make_init,
+    initial_state,
     relative_l2,
     train_single_device,
     train_step,
@@ -42,7 +42,7 @@ def test_stage_matches_single_device_adamw(stage, devices):
     zero = zj.zero_shard(
         stage=stage, mesh=zj.make_mesh(jax.devices()[:devices]), persistence_threshold=0
     )
-    state, losses = train_zero(zero, OPTIMIZERS["adamw"](), DATA)
+    state, losses = train_zero(zero, OPTIMIZERS["adamw"](), DATA, via_init=True)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert_trees_close(state.params, ref_state.params)
 
@@ -61,7 +61,7 @@ def test_stage_matches_single_device_sgd(stage, explicit):
 @pytest.mark.parametrize("explicit", [True, False])
 def test_the_state_really_is_sharded_and_the_hook_is_used_when_asked(explicit):
     zero = zj.zero_shard(stage=3, persistence_threshold=0, explicit_collectives=explicit)
-    state = zero.init(make_init(OPTIMIZERS["adamw"]()), jax.random.key(0))
+    state = zero.shard(initial_state(OPTIMIZERS["adamw"]()))
     step = zero(train_step)
     state, _ = step(state, DATA[0])
     assert step.used_explicit_collectives == explicit

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, make_init, subprocess_env, train_step, train_zero
+from common import batches, initial_state, subprocess_env, train_step, train_zero
 
 import zerojax as zj
 from zerojax.launch import free_port
@@ -94,7 +94,7 @@ def scaled_step(state, batch):
 @pytest.mark.parametrize("mode", ["skip", "stop"])
 def test_non_finite_gradients_skip_or_stop(mode):
     zero = zj.zero_shard(stage=2, on_nonfinite=mode)
-    state, step = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0)), zero(scaled_step)
+    state, step = zero.shard(initial_state(optax.adam(1e-3))), zero(scaled_step)
     data = [dict(b, weight=np.ones(16, np.float32)) for b in batches(3)]
     data[1]["weight"][:] = np.nan
     state, _ = step(state, data[0])
@@ -118,7 +118,7 @@ def test_non_finite_gradients_skip_or_stop(mode):
 
 def test_inconsistent_batch_and_empty_params_fail_at_once():
     zero = zj.zero_shard(stage=1)
-    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    state = zero.shard(initial_state(optax.adam(1e-3)))
     batch = batches(1)[0]
     with pytest.raises(zj.ZeroError, match="different leading dimensions"):
         zero(train_step)(state, dict(batch, targets=batch["targets"][:8]))

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from common import assert_trees_close, batches, make_init, train_single_device, train_zero
+from common import assert_trees_close, batches, make_init, slow, train_single_device, train_zero
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -95,7 +95,8 @@ def test_optimizer_state_follows_its_parameter(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["adafactor", "chain_clip_adam", "masked", "multi_transform", "inject_hyperparams"]
+    "name",
+    ["adafactor", "masked", "multi_transform", *slow("chain_clip_adam", "inject_hyperparams")],
 )
 def test_any_optimizer_trains_like_one_device_at_stage_3(name):
     data = batches(3)

@@ -131,8 +131,8 @@ def test_unmapped_logical_name_and_zero_axis_conflicts_are_clear():
 
 
 def test_logical_rules_without_annotations_warn():
-    from common import make_init
+    from common import initial_state
 
     zero = zj.zero_shard(stage=3, logical_rules=RULES)
     with pytest.warns(UserWarning, match="logical_rules has nothing to map"):
-        zero.init(make_init(optax.sgd(0.1)), jax.random.key(0))
+        zero.shard(initial_state(optax.sgd(0.1)))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import assert_trees_close
+from common import assert_trees_close, slow
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -127,9 +127,14 @@ def single_device(data, init_fn):
     return state, losses
 
 
-@pytest.mark.parametrize("scan", [True, False])
+HPZ, MICS = dict(hpz_partition_size=4), dict(mics_shard_size=4)
+
+
+# each option scanned and unrolled between them; the slow lane runs the other two pairs
 @pytest.mark.parametrize(
-    "options", [dict(hpz_partition_size=4), dict(mics_shard_size=4)], ids=["hpZ", "MiCS"]
+    "options,scan",
+    [(HPZ, True), (MICS, False), *slow((HPZ, False), (MICS, True))],
+    ids=["hpZ-scanned", "MiCS-unrolled", "hpZ-unrolled", "MiCS-scanned"],
 )
 def test_unquantized_options_train_exactly_like_one_device(options, scan):
     data, init_fn = lm_setup(scan)
@@ -152,7 +157,8 @@ QUANTIZED = {  # options, per-step relative tolerance on the loss against one de
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(name, marks=pytest.mark.slow) if name == "qgZ-int4" else name
+        # int4 gradients and qwZ alone are in "all" and "MiCS+qwZ+qgZ" too
+        pytest.param(name, marks=pytest.mark.slow) if name in ("qgZ-int4", "qwZ") else name
         for name in QUANTIZED
     ],
 )
