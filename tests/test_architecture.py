@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, make_init, train_step
+from common import batches, initial_state, make_init, train_step
 from flax import nnx
 from flax.training import train_state
 from test_interop import write_safetensors
@@ -24,6 +24,7 @@ from test_tensor_parallel import data as tp_data
 from test_tensor_parallel import init_fn as tp_init
 
 import zerojax as zj
+from zerojax.rules import StateLayout
 
 PACKAGE = pathlib.Path(zj.__file__).parent
 
@@ -162,6 +163,24 @@ def test_one_zero_with_two_models_keeps_their_layouts_apart():
     assert "model" not in str(want["params/Dense_0/kernel"])
 
 
+@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
+def test_a_zero_keeps_nothing_between_calls_but_its_layout_cache():
+    """A tensor-parallel layout is read from the state each time (its boxes, or the shardings
+    of a placed state), never remembered: a zero that has seen the state's model before plans
+    it exactly as a fresh one does."""
+    zero = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES)
+    before = dict(vars(zero))
+    state = zero.init(tp_init, jax.random.key(0))
+    state, _ = zero(train_step)(state, tp_data(1)[0])
+    assert {k: v for k, v in vars(zero).items()} == before  # the same objects, nothing added
+    assert all(isinstance(v, StateLayout) for v in zero._layouts.values())
+    fresh = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES)
+    assert fresh.plan(state) == zero.plan(state)
+    assert _specs(fresh, state)["params/Dense_0/kernel"] == jax.sharding.PartitionSpec(
+        "data", "model"
+    )
+
+
 class DropoutNet(nnx.Module):
     def __init__(self, rngs):
         self.up = nnx.Linear(16, 64, rngs=rngs)
@@ -272,7 +291,7 @@ def test_a_dropped_state_is_freed(tmp_path):
     restore a checkpoint, say), no second copy stays in device memory."""
     zero = zj.zero_shard(stage=2, gradient_accumulation_steps=2, precision="bf16")
     step = zero(train_step)
-    state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+    state = zero.shard(initial_state(optax.adam(1e-3)))
     for batch in batches(2, batch_size=8):
         state, metrics = step(state, batch)
     with zj.CheckpointManager(tmp_path / "ckpt", zero) as ckpt:
@@ -311,4 +330,4 @@ def test_every_warning_is_a_zero_warning():
     assert calls and all(c == "ZeroWarning" for *_, c in calls), calls
     zero = zj.zero_shard(stage=3, logical_rules=RULES)
     with pytest.warns(zj.ZeroWarning, match="logical_rules has nothing to map"):
-        zero.init(make_init(optax.sgd(0.1)), jax.random.key(0))
+        zero.shard(initial_state(optax.sgd(0.1)))

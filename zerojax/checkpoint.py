@@ -187,8 +187,8 @@ class CheckpointManager:
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
         user = boundary(target)  # NNX: new objects like `target` (real or nnx.eval_shape'd)
         step, saved = saved_step(self._mgr, step)
-        abstract = jax.eval_shape(self.zero.manage, user.tree)
-        shardings = self.zero.state_shardings(abstract)
+        abstract = self.zero.abstract(target)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
         wanted = _canonical_paths(abstract)
         request, restore_args = [], []
         for (keys, leaf), sharding in zip(

@@ -22,12 +22,12 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.hierarchy import comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
 from zerojax.errors import ZeroWarning
-from zerojax.flax.annotations import read_linen_boxes
+from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
 from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
-from zerojax.rules import LeafPlan, StateLayout, params_key, path_str, plan_state
+from zerojax.rules import LeafPlan, StateLayout, path_str, plan_state
 from zerojax.state import Boundary, boundary, tree_of
 from zerojax.step import ZeroStep
 
@@ -56,11 +56,8 @@ class ZeroShard:
         self.shard_size = self.comm.shard_size  # devices that split the state
         # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
         self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
-        # the tensor-parallel layouts models declare, read once when a state is adopted:
-        # {parameters' (path, shape) tuple: {parameter path: TensorSpec}}, so that one zero
-        # used with several models keeps each model's layouts apart
-        self._tensor_layouts: dict[tuple, dict] = {}
-        self._layouts: dict[tuple, StateLayout] = {}  # cache of `layout`, keyed by structure
+        # a pure cache of `layout`, keyed by structure; nothing else is kept between calls
+        self._layouts: dict[tuple, StateLayout] = {}
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
@@ -71,20 +68,31 @@ class ZeroShard:
         objects: their dict state), computed once per leaf paths, shapes, dtypes and the
         model's tensor-parallel layout, then cached: the one place a leaf's layout is decided."""
         user = boundary(state)
-        state, boxed = read_linen_boxes(user.tree, self.mesh, self.config)
-        # the layouts the state declares itself (NNX metadata, Linen boxes), else the ones its
-        # model declared when a state of it was adopted (a placed Linen state has no boxes)
-        tensor = user.tensor_specs(self.mesh, self.config) or boxed or self.tensor_layout(state)
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        return self._layout(read_linen_boxes(user.tree, self.mesh, self.config)[0], user)
+
+    def _layout(self, tree, user: Boundary) -> StateLayout:
+        """The layout of `tree` (`user`'s state, or what `manage` made of it) for the
+        tensor-parallel layout `user` declares."""
+        tensor = self._declared(user)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         key = (
             tuple((jax.tree_util.keystr(p), np.shape(x), str(x.dtype)) for p, x in leaves),
             tuple(sorted(tensor.items())),
         )
         if key not in self._layouts:
-            self._layouts[key] = plan_state(state, self.config, self.shard_size, tensor)
+            self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor)
         cached = self._layouts[key]
         # a state of another TrainState instance (its apply_fn, tx) has the same plans
         return cached if cached.treedef == treedef else dataclasses.replace(cached, treedef=treedef)
+
+    def _declared(self, user: Boundary) -> dict:
+        """{parameter path: TensorSpec}: the tensor-parallel layout the state itself declares
+        (NNX sharding metadata, Linen boxes) or, placed or abstract, carries in its shardings."""
+        return (
+            user.tensor_specs(self.mesh, self.config)
+            or read_linen_boxes(user.tree, self.mesh, self.config)[1]
+            or carried_tensor_specs(user.tree, self.mesh, self.config)
+        )
 
     def plan(self, state: PyTree) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
@@ -96,63 +104,54 @@ class ZeroShard:
         (NNX objects: one per leaf of their dict state `{params, opt_state, other}`)."""
         return self.layout(state).shardings(self.mesh)
 
-    def tensor_layout(self, state: PyTree) -> dict:
-        """{parameter path: TensorSpec} the model of `state` declared when its state was
-        adopted (empty for a model that declares none, or one this zero has not seen)."""
-        return self._tensor_layouts.get(params_key(state), {})
-
-    def adopt(self, state: PyTree) -> PyTree:
-        """`state` without the model's partitioning boxes (`nn.with_logical_partitioning`...),
-        whose tensor-parallel layouts this zero remembers for states of this model."""
-        state, layouts = read_linen_boxes(state, self.mesh, self.config)
-        key = params_key(state)
-        if layouts or key not in self._tensor_layouts:
-            self._tensor_layouts[key] = layouts
-        return state
-
     def manage(self, state: PyTree) -> PyTree:
-        """`state` as this config trains it: with precision, accumulation or clipping on, 16-bit
-        params plus a `ZeroOptState` (master weights, buffers); otherwise unchanged."""
-        state = self.adopt(state)
+        """`state` as this config trains it, without the model's partitioning boxes: with
+        precision, accumulation or clipping on, 16-bit params plus a `ZeroOptState` (master
+        weights, buffers); otherwise unchanged."""
+        state = read_linen_boxes(state, self.mesh, self.config)[0]
         if not self.config.manages_update:
             return state
         return prepare_state(state, self.config, self.axis_size)
 
+    def abstract(self, state: PyTree) -> PyTree:
+        """`state` (a train state or its abstract shape; NNX objects: their dict state) as this
+        zero holds it: managed, as ShapeDtypeStructs carrying their shardings."""
+        user = boundary(state)
+        managed = jax.eval_shape(self.manage, user.tree)
+        return jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            managed,
+            self._layout(managed, user).shardings(self.mesh),
+        )
+
     def shard(self, state: PyTree) -> PyTree:
         """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
         objects (one, or a tuple) come back as new objects holding the placed state."""
-        user = self._enter(state)
-        abstract = jax.eval_shape(self.manage, user.tree)
-        placed = jax.jit(self.manage, out_shardings=self.state_shardings(abstract))(user.tree)
-        self._check_logical_rules_used(abstract)
+        user = boundary(state)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(state))
+        placed = jax.jit(self.manage, out_shardings=shardings)(user.tree)
+        self._check_logical_rules_used(self._declared(user))
         return user.rebuild(placed)
 
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        users = []  # the traced state's boundary, to rebuild the user's kind afterwards
+        seen = []  # the traced state's boundary (to rebuild the user's kind) and its TP layout
 
         def make(*a, **k):  # traced once: init_fn may build a new model object per call
             with nnx_building():
-                users.append(self._enter(init_fn(*a, **k)))
-            state = jax.tree_util.tree_map(jnp.asarray, self.manage(users[-1].tree))
-            return to_storage(state, self.state_shardings(state))
+                user = boundary(init_fn(*a, **k))
+            seen.append((user, self._declared(user)))
+            state = jax.tree_util.tree_map(jnp.asarray, self.manage(user.tree))
+            return to_storage(state, self._layout(state, user).shardings(self.mesh))
 
         state = jax.jit(make)(*args, **kwargs)
-        self._check_logical_rules_used(state)
-        return users[-1].rebuild(state)
+        user, declared = seen[-1]
+        self._check_logical_rules_used(declared)
+        return user.rebuild(state)
 
-    def _enter(self, state) -> Boundary:
-        """`state`'s boundary (see zerojax.state); the tensor-parallel layouts NNX variables
-        declare join this zero's (Linen boxes join in `adopt`)."""
-        user = boundary(state)
-        layouts = user.tensor_specs(self.mesh, self.config)
-        if layouts:
-            self._tensor_layouts[params_key(user.tree)] = layouts
-        return user
-
-    def _check_logical_rules_used(self, state):
-        if self.config.logical_rules and not self.tensor_layout(state):
+    def _check_logical_rules_used(self, declared: dict):
+        if self.config.logical_rules and not declared:
             warnings.warn(
                 "zerojax: logical_rules has nothing to map: the model declares no "
                 "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
@@ -166,14 +165,8 @@ class ZeroShard:
         compile and report a step for a model too large to allocate (nothing is allocated).
         NNX objects come back as abstract objects whose variables hold them."""
         with nnx_building():
-            user = self._enter(jax.eval_shape(init_fn, *args, **kwargs))
-        abstract = jax.eval_shape(self.manage, user.tree)
-        placed = jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            abstract,
-            self.state_shardings(abstract),
-        )
-        return user.rebuild(placed)
+            state = jax.eval_shape(init_fn, *args, **kwargs)
+            return boundary(state).rebuild(self.abstract(state))
 
     def batch_sharding(self, leaf) -> NamedSharding:
         return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())

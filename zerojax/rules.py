@@ -197,16 +197,6 @@ def stage_splits(cfg: ZeroConfig, category: str) -> bool:
     return category == PARAMS and cfg.shards_parameters
 
 
-def params_key(state) -> tuple:
-    """The (path, shape) of every parameter of `state`: what tells one model's states from
-    another's (16-bit and fp32, abstract and placed states of one model share it)."""
-    return tuple(
-        (path_str(path[1:]), tuple(getattr(leaf, "shape", ())))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-        if category_of(path) == PARAMS
-    )
-
-
 def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None) -> StateLayout:
     """The `StateLayout` of `state` (a pytree of arrays or ShapeDtypeStructs) holding its
     parameters under a `params` field or key, or a tuple `(params, opt_state, ...)`. `tensor`

@@ -39,7 +39,7 @@ class Boundary:
 
     def tensor_specs(self, mesh, cfg: ZeroConfig) -> dict:
         """{parameter path: TensorSpec} the NNX variables' sharding metadata declares (a
-        pytree state's Linen boxes are read when it is adopted: `ZeroShard.adopt`)."""
+        pytree state's Linen boxes and shardings are read by `ZeroShard`)."""
         if self.objects is None:
             return {}
         if cfg.manages_update:

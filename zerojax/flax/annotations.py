@@ -2,10 +2,11 @@
 
 A Linen model marks its parameters with `nn.with_logical_partitioning` (boxes named with
 logical axes such as 'mlp') or `nn.with_partitioning` (mesh axes); an NNX model puts the same
-names in its variables' sharding metadata. zerojax reads them once, when the state is created,
-maps logical names to mesh axes with `ZeroConfig.logical_rules` (or the rules of an enclosing
-`nn.logical_axis_rules` context), strips the boxes and keeps one `TensorSpec` per parameter
-path. `rules.split_spec` then adds the ZeRO axis on a dimension the model left free.
+names in its variables' sharding metadata. zerojax maps logical names to mesh axes with
+`ZeroConfig.logical_rules` (or the rules of an enclosing `nn.logical_axis_rules` context) and
+keeps one `TensorSpec` per parameter path; a state zerojax placed keeps its layout in its
+shardings (`carried_tensor_specs`), so nothing has to remember it. `rules.split_spec` then adds
+the ZeRO axis on a dimension the model left free.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from jax.sharding import NamedSharding
 
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.rules import PARAMS, TensorSpec, category_of, path_str, spec_entry, spec_names
@@ -38,6 +40,26 @@ def read_linen_boxes(state, mesh, cfg: ZeroConfig):
                 names, box.unbox().shape, mesh, cfg, path_str(path[1:]), rules
             )
     return nn.meta.unbox(state), layouts
+
+
+def carried_tensor_specs(state, mesh, cfg: ZeroConfig) -> dict:
+    """{parameter path: TensorSpec} of the tensor-parallel axes the parameters of a placed (or
+    abstract, sharded) state already carry on `mesh`: their shardings without the ZeRO axes."""
+    zero_axes, sizes, layouts = spec_names(cfg.axis), dict(mesh.shape), {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        sharding = getattr(leaf, "sharding", None)  # none on a tracer or numpy array
+        if category_of(path) != PARAMS or not isinstance(sharding, NamedSharding):
+            continue
+        if sharding.mesh.axis_names != mesh.axis_names:
+            continue
+        entries = tuple(sharding.spec) + (None,) * (len(leaf.shape) - len(sharding.spec))
+        axes = [tuple(a for a in spec_names(e) if a not in zero_axes) for e in entries]
+        if any(axes):
+            layouts[path_str(path[1:])] = TensorSpec(
+                tuple(spec_entry(a) for a in axes),
+                tuple(math.prod(sizes[n] for n in a) for a in axes),
+            )
+    return layouts
 
 
 def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) -> TensorSpec:
