@@ -31,6 +31,8 @@ def test_defaults_and_overrides():
         ({"stage": 2, "offload_update": "host"}, "set offload_optimizer='cpu'"),
         ({"stage": 2, "offload_activations": True, "explicit_collectives": False}, "apply_fn"),
         ({"stage": 3, "prefetch": 2}, "prefetch must be 0 or 1"),
+        ({"explicit_collectives": "no"}, "explicit_collectives must be True or False"),
+        ({"donate": 1}, "donate must be True or False"),
     ],
 )
 def test_bad_offload_and_prefetch_options(kwargs, match):

@@ -230,7 +230,7 @@ class ZeroConfig:
         self._check_zeropp_options()
 
     def _check_zeropp_options(self):
-        for name in ("quantized_weights", "quantized_gradients"):
+        for name in ("quantized_weights", "quantized_gradients", "explicit_collectives", "donate"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
         for name, low in (
