@@ -213,6 +213,8 @@ def test_every_public_function_takes_nnx_objects_with_rng_streams(tmp_path):
     kernel = abstract_model.up.kernel.get_value()
     assert isinstance(kernel, jax.ShapeDtypeStruct)
     assert kernel.sharding.spec == plans["params/up/kernel"].spec
+    held = zero.abstract((model, optimizer))  # their dict state, as the zero holds it
+    assert held["params"]["up"]["kernel"].sharding == shardings["params"]["up"]["kernel"]
 
     def step_fn(model, optimizer, batch):
         def loss_fn(model):
@@ -262,6 +264,7 @@ def test_every_public_function_takes_typed_prng_keys(tmp_path):
     assert row.dtype == "key<fry>" and row.bytes_per_device == 8
     abstract = zero.eval_shape(keyed_init, jax.random.key(0))
     assert jax.dtypes.issubdtype(abstract.rng.dtype, jax.dtypes.prng_key)
+    assert zero.abstract(state).rng.sharding == zero.state_shardings(state).rng
     batch = batches(1)[0]
     assert zero.report(zero(train_step), state, batch).peak_bytes > 0
     tensors = _tensors(state.params)
