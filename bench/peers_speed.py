@@ -77,7 +77,9 @@ def run_jax(options: dict, steps: int) -> dict:
 
 def run_torch(mode: str, steps: int) -> dict:
     args = [
-        "torchrun",
+        sys.executable,  # torchrun of this interpreter, on PATH or not
+        "-m",
+        "torch.distributed.run",
         "--standalone",
         "--nproc_per_node",
         "8",
