@@ -26,17 +26,10 @@ from zerojax.optim import ZeroOptState, initial_scaler, present
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 from zerojax.state import boundary, tree_of
 
-# ZeroOptState fields a checkpoint keeps under "zero" (the others are derived or empty at an
-# optimizer-step boundary: master -> params, inner -> opt_state, accum / per_device zeros)
-SCALER_FIELDS = (
-    "scale",
-    "good_steps",
-    "hysteresis",
-    "skipped",
-    "last_skipped",
-    "grad_norm",
-    "overflow_at_min_scale",
-)
+# ZeroOptState fields a checkpoint keeps under "zero": the loss scaler's counters (the others
+# are derived or empty at an optimizer-step boundary: master -> params, inner -> opt_state,
+# micro, accum and per_device zeros)
+SCALER_FIELDS = ZeroOptState._fields[ZeroOptState._fields.index("scale") :]
 
 
 def _canonical_paths(state) -> list:

@@ -20,17 +20,10 @@ import re
 import sys
 from typing import Any
 
-UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
+UNITS = {"": 1, "B": 1} | {
+    p + suffix: base**i
+    for i, p in enumerate("KMGT", 1)
+    for suffix, base in (("B", 1000), ("IB", 1024))
 }
 
 
@@ -124,14 +117,10 @@ def plan(args) -> int:
         if args.config
         else [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages]
         + [
-            zj.ZeroConfig(
-                stage=s,
-                precision=args.precision,
-                **{k: v for k, v in offload.items() if k.startswith("offload")},
-            )
+            zj.ZeroConfig(stage=s, precision=args.precision, **options)
             for s in stages
-            for offload in OFFLOADS[1:]
-            if s >= offload["min_stage"] and not args.no_offload
+            for _, first, options in OFFLOADS[1:]
+            if s >= first and not args.no_offload
         ]
         + [
             zj.ZeroConfig(stage=3, precision=args.precision, **variant(local))
@@ -240,7 +229,7 @@ def _print_table(rows, args, cfg) -> None:
 def cheapest(rows):
     """The row that fits with the least host traffic (offload rank), then the fewest bytes sent
     per device (an all-reduce sends twice what a reduce-scatter does), then the lowest peak."""
-    rank = {name: i for i, name in enumerate(o["name"] for o in OFFLOADS)}
+    rank = {name: i for i, (name, _, _) in enumerate(OFFLOADS)}
     fitting = [r for r in rows if r["fits"]]
     return min(
         fitting,
@@ -254,16 +243,15 @@ def cheapest(rows):
     )
 
 
-OFFLOADS: tuple[dict[str, Any], ...] = (
-    {"name": "none", "min_stage": 0},
-    {"name": "optimizer", "min_stage": 1, "offload_optimizer": "cpu", "offload_update": "host"},
-    {
-        "name": "optimizer+param",
-        "min_stage": 3,
-        "offload_optimizer": "cpu",
-        "offload_param": "cpu",
-        "offload_update": "host",
-    },
+# plan's offload rows, in the order `cheapest` prefers them: (name, first stage, options)
+OFFLOADS: tuple[tuple[str, int, dict[str, Any]], ...] = (
+    ("none", 0, {}),
+    ("optimizer", 1, dict(offload_optimizer="cpu", offload_update="host")),
+    (
+        "optimizer+param",
+        3,
+        dict(offload_optimizer="cpu", offload_param="cpu", offload_update="host"),
+    ),
 )
 
 

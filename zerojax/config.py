@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from zerojax.deepspeed import options_from_deepspeed
+from zerojax.deepspeed import batch_sizes, choice, offload_device, options_from_deepspeed
 from zerojax.errors import ZeroError, nearest
 
 __all__ = ["ZeroConfig", "ZeroError", "config_path", "presets", "resolve_config"]
@@ -225,14 +225,14 @@ class ZeroConfig:
                     f"('mlp', 'model'); got {rule!r}."
                 )
         object.__setattr__(self, "logical_rules", logical)
+        for name in _BOOLEANS:
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
         self._check_update_options()
         self._check_offload_options()
         self._check_zeropp_options()
 
     def _check_zeropp_options(self):
-        for name in ("quantized_weights", "quantized_gradients", "explicit_collectives", "donate"):
-            if not isinstance(getattr(self, name), bool):
-                raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
         for name, low in (
             ("hpz_partition_size", 1),
             ("mics_shard_size", -1),
@@ -242,7 +242,7 @@ class ZeroConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < low:
                 raise ZeroError(f"{name} must be an integer >= {low} (got {value!r}).")
-        _choice("quantized_gradients_bits", self.quantized_gradients_bits, (4, 8))
+        choice("quantized_gradients_bits", self.quantized_gradients_bits, (4, 8))
         if self.quantized_gradients_block % 2:
             raise ZeroError(
                 "quantized_gradients_block must be even (int4 codes are packed two "
@@ -276,7 +276,7 @@ class ZeroConfig:
 
     def _check_offload_options(self):
         for name in ("offload_optimizer", "offload_param"):
-            object.__setattr__(self, name, _offload_device(name, getattr(self, name)))
+            object.__setattr__(self, name, offload_device(name, getattr(self, name)))
         if self.offload_optimizer == "cpu" and not self.shards_optimizer_state:
             raise ZeroError(
                 "offload_optimizer needs stage >= 1 (stage 0 keeps a whole optimizer "
@@ -287,15 +287,11 @@ class ZeroConfig:
                 f"offload_param needs stage 3 (got stage {self.stage}): only stage 3 "
                 "shards the parameters that it would keep on the host."
             )
-        _choice("offload_update", self.offload_update, ("device", "host"))
+        choice("offload_update", self.offload_update, ("device", "host"))
         if self.offload_update == "host" and self.offload_optimizer != "cpu":
             raise ZeroError(
                 "offload_update='host' runs the update where the offloaded optimizer "
                 "state lives: set offload_optimizer='cpu' too."
-            )
-        if not isinstance(self.offload_activations, bool):
-            raise ZeroError(
-                f"offload_activations must be True or False (got {self.offload_activations!r})."
             )
         if self.offload_activations and not self.explicit_collectives:
             raise ZeroError(
@@ -304,11 +300,11 @@ class ZeroConfig:
             )
 
     def _check_update_options(self):
-        _choice("precision", self.precision, ("fp32", "bf16", "fp16"))
-        _choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
-        _choice("grad_accum_dtype", self.grad_accum_dtype, ("fp32", "bf16", "fp16"))
-        _choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
-        _choice("on_nonfinite", self.on_nonfinite, ("off", "skip", "stop"))
+        choice("precision", self.precision, ("fp32", "bf16", "fp16"))
+        choice("grad_reduce_dtype", self.grad_reduce_dtype, ("fp32", "bf16", "fp16"))
+        choice("grad_accum_dtype", self.grad_accum_dtype, ("fp32", "bf16", "fp16"))
+        choice("accumulate", self.accumulate, ("auto", "local", "reduced"))
+        choice("on_nonfinite", self.on_nonfinite, ("off", "skip", "stop"))
         if self.gradient_accumulation_steps != "auto" and (
             not _is_int(self.gradient_accumulation_steps) or self.gradient_accumulation_steps < 1
         ):
@@ -329,9 +325,8 @@ class ZeroConfig:
             )
         if not self.gradient_clipping >= 0:
             raise ZeroError(f"gradient_clipping must be >= 0 (got {self.gradient_clipping!r}).")
-        scaling = {f: getattr(self, f) for f in _SCALING}
         if self.precision != "fp16":
-            changed = [f for f, v in scaling.items() if v != _SCALING[f]]
+            changed = [f for f in _SCALING if getattr(self, f) != self.defaults()[f]]
             if changed:
                 raise ZeroError(
                     f"{', '.join(changed)} only apply with precision='fp16' (got "
@@ -350,41 +345,13 @@ class ZeroConfig:
             )
 
     def for_devices(self, n: int) -> ZeroConfig:
-        """This config with DeepSpeed's batch arithmetic done for `n` data-parallel devices:
-        train_batch_size = micro_batch_size x gradient_accumulation_steps x n. Any two given
-        ('auto' or 0 = not given; accumulation 1 counts as given unless 'auto') infer the
-        third; a contradiction fails with the numbers."""
-        tb, mb, k = self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps
-        known = lambda v: v not in (0, "auto")
-        if k == "auto":
-            if not (known(tb) and known(mb)):
-                k = 1
-            elif tb % (mb * n):
-                raise ZeroError(
-                    f"train_batch_size {tb} is not train_micro_batch_size_per_gpu "
-                    f"{mb} x {n} devices x a whole number of accumulation steps."
-                )
-            else:
-                k = tb // (mb * n)
-        if known(tb) and not known(mb):
-            if tb % (k * n):
-                raise ZeroError(
-                    f"train_batch_size {tb} does not divide into "
-                    f"gradient_accumulation_steps {k} x {n} devices."
-                )
-            mb = tb // (k * n)
-        elif known(mb) and not known(tb):
-            tb = mb * k * n
-        elif known(tb) and known(mb) and tb != mb * k * n:
-            raise ZeroError(
-                f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
-                f"gradient_accumulation_steps {k} x {n} devices ({mb * k * n})."
-            )
+        """This config with DeepSpeed's batch arithmetic done for `n` data-parallel devices
+        (`deepspeed.batch_sizes`: any two of the three batch options infer the third)."""
+        tb, mb, k = batch_sizes(
+            self.train_batch_size, self.micro_batch_size, self.gradient_accumulation_steps, n
+        )
         return dataclasses.replace(
-            self,
-            gradient_accumulation_steps=k,
-            train_batch_size=tb if known(tb) else 0,
-            micro_batch_size=mb if known(mb) else 0,
+            self, gradient_accumulation_steps=k, train_batch_size=tb, micro_batch_size=mb
         )
 
     # what each stage splits over the ZeRO axis: the one place stage numbers mean something
@@ -486,51 +453,20 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_SCALING = {
-    "loss_scale": 0.0,
-    "initial_scale_power": 16,
-    "loss_scale_window": 1000,
-    "hysteresis": 2,
-    "min_loss_scale": 1.0,
-}
-
-
-_OFFLOAD_KEYS = ("device", "pin_memory")
-
-
-def _offload_device(name: str, value) -> str:
-    """'cpu' or 'none' from 'cpu' / 'none' / None / DeepSpeed's {"device": ..., ...} block."""
-    if value is None:
-        return "none"
-    if isinstance(value, Mapping):
-        for key in value:
-            if key not in _OFFLOAD_KEYS:
-                raise ZeroError(
-                    f"{name}: {key!r} is not supported{nearest(key, _OFFLOAD_KEYS)}; "
-                    f"zerojax reads {', '.join(_OFFLOAD_KEYS)} (the others tune "
-                    "DeepSpeed's CPU Adam and NVMe swapper, which zerojax does not use)."
-                )
-        if value.get("pin_memory", True) is not True:
-            raise ZeroError(
-                f"{name}: pin_memory=false is not supported: zerojax offloads to "
-                "pinned host memory, which the device can copy asynchronously."
-            )
-        value = value.get("device", "none")
-    if value == "nvme":
-        raise ZeroError(
-            f"{name}: device 'nvme' is not supported (JAX has no NVMe memory "
-            "kind); use 'cpu' (pinned host memory) or 'none'."
-        )
-    _choice(f"{name} device", value, ("none", "cpu"))
-    return value
-
-
-def _choice(name, value, allowed):
-    if value not in allowed:
-        raise ZeroError(
-            f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
-            f"{nearest(str(value), [str(a) for a in allowed])}."
-        )
+_BOOLEANS = (
+    "explicit_collectives",
+    "donate",
+    "quantized_weights",
+    "quantized_gradients",
+    "offload_activations",
+)
+_SCALING = (
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "min_loss_scale",
+)
 
 
 def resolve_config(config=None, **overrides) -> ZeroConfig:

@@ -8,7 +8,7 @@ Every DeepSpeed key zerojax knows does exactly one of three things:
 A key DeepSpeed does not have fails, naming its section and the nearest valid key
 (`strict=False` turns that into a warning). HF-style "auto" values take zerojax's default or,
 for the batch keys, are inferred by DeepSpeed's batch arithmetic once the device count is known
-(`ZeroConfig.for_devices`); `explain` reports the value chosen.
+(`batch_sizes`); `explain` reports the value chosen.
 """
 
 from __future__ import annotations
@@ -23,14 +23,8 @@ from zerojax.errors import ZeroError, ZeroWarning, nearest
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
 AUTO = "auto"
-DTYPE_NAMES = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
+DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"} | {
+    name: name for name in ("fp32", "fp16", "bf16")
 }
 
 
@@ -55,6 +49,78 @@ class Row:
 
 
 # ---- value readers: each names the key it reads in its error ---------------------------------
+def choice(name, value, allowed):
+    """Fail unless `value` is one of `allowed`, naming the option and the nearest choice."""
+    if value not in allowed:
+        raise ZeroError(
+            f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})"
+            f"{nearest(str(value), [str(a) for a in allowed])}."
+        )
+
+
+OFFLOAD_KEYS = ("device", "pin_memory")
+
+
+def offload_device(name: str, value) -> str:
+    """'cpu' or 'none' from 'cpu' / 'none' / None / DeepSpeed's {"device": ..., ...} block."""
+    if value is None:
+        return "none"
+    if isinstance(value, Mapping):
+        for key in value:
+            if key not in OFFLOAD_KEYS:
+                raise ZeroError(
+                    f"{name}: {key!r} is not supported{nearest(key, OFFLOAD_KEYS)}; "
+                    f"zerojax reads {', '.join(OFFLOAD_KEYS)} (the others tune "
+                    "DeepSpeed's CPU Adam and NVMe swapper, which zerojax does not use)."
+                )
+        if value.get("pin_memory", True) is not True:
+            raise ZeroError(
+                f"{name}: pin_memory=false is not supported: zerojax offloads to "
+                "pinned host memory, which the device can copy asynchronously."
+            )
+        value = value.get("device", "none")
+    if value == "nvme":
+        raise ZeroError(
+            f"{name}: device 'nvme' is not supported (JAX has no NVMe memory "
+            "kind); use 'cpu' (pinned host memory) or 'none'."
+        )
+    choice(f"{name} device", value, ("none", "cpu"))
+    return value
+
+
+def batch_sizes(tb, mb, k, n: int) -> tuple[int, int, int]:
+    """DeepSpeed's batch arithmetic for `n` data-parallel devices: (train_batch_size,
+    micro_batch_size, gradient_accumulation_steps) with train = micro x accumulation x n. Any
+    two given ('auto' or 0 = not given; accumulation 1 counts as given unless 'auto') infer the
+    third; a contradiction fails with the numbers. Sizes not given come back as 0."""
+    known = lambda v: v not in (0, AUTO)
+    if k == AUTO:
+        if not (known(tb) and known(mb)):
+            k = 1
+        elif tb % (mb * n):
+            raise ZeroError(
+                f"train_batch_size {tb} is not train_micro_batch_size_per_gpu "
+                f"{mb} x {n} devices x a whole number of accumulation steps."
+            )
+        else:
+            k = tb // (mb * n)
+    if known(tb) and not known(mb):
+        if tb % (k * n):
+            raise ZeroError(
+                f"train_batch_size {tb} does not divide into "
+                f"gradient_accumulation_steps {k} x {n} devices."
+            )
+        mb = tb // (k * n)
+    elif known(mb) and not known(tb):
+        tb = mb * k * n
+    elif known(tb) and known(mb) and tb != mb * k * n:
+        raise ZeroError(
+            f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} x "
+            f"gradient_accumulation_steps {k} x {n} devices ({mb * k * n})."
+        )
+    return (tb if known(tb) else 0), (mb if known(mb) else 0), k
+
+
 def _whole(name, value, low=0) -> int:
     if (
         isinstance(value, bool)

@@ -22,8 +22,9 @@ from flax import serialization
 
 from zerojax.checkpoint import nest, orbax_manager, saved_step
 from zerojax.config import ZeroError
+from zerojax.interop import FILE_DTYPES
 
-SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+SAFETENSORS_DTYPES = {dtype.name: name for name, dtype in FILE_DTYPES.items()}
 EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 

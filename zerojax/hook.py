@@ -146,7 +146,7 @@ def hooked_apply_fn(
                 "arrays with the batch first, or use zero_shard(..., explicit_collectives=False)."
             )
 
-        model = _model(apply_fn, flat, dynamic, in_tree, cfg)
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
 
         def body(copies, shards, values, scale):
             copies, shards = iter(copies), iter(shards)
@@ -173,7 +173,7 @@ def hooked_apply_fn(
     return apply
 
 
-def _model(apply_fn, flat: list, positions: list, tree, cfg: ZeroConfig):
+def _model(apply_fn, flat: list, positions: list, tree, offload_activations: bool):
     """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
     over, rematerialised with the activation-offload policy when offload_activations is on."""
 
@@ -181,27 +181,16 @@ def _model(apply_fn, flat: list, positions: list, tree, cfg: ZeroConfig):
         args, kwargs = _with_values(flat, positions, values, tree)
         return apply_fn(variables, *args, **kwargs)
 
-    return jax.checkpoint(model, policy=activation_policy()) if cfg.offload_activations else model
+    return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
 
 
 def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
     """Per variable leaf: is it a parameter of a `gather_on_use` module? (An abstract trace
     of the model records which modules gather.)"""
-    ctx = GatherContext(
-        comm=None,
-        split_dims={},
-        stored_ndim={},
-        compute_dtype=None,
-        reduce_dtype=None,
-        discover=True,
-    )
+    ctx = GatherContext(comm=None, discover=True)
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]
-
-    def run(v, values):
-        a, k = _with_values(flat, arrays, values, tree)
-        return apply_fn(v, *a, **k)
-
+    run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
     with gather_context(ctx):
         jax.eval_shape(
@@ -223,7 +212,7 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
         )
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
-        model = _model(apply_fn, flat, dynamic, in_tree, cfg)
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
         out = model(
             jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)
         )

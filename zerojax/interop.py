@@ -23,16 +23,12 @@ from zerojax.config import ZeroError
 from zerojax.optim import DTYPES, ZeroOptState, cast_floating, present
 from zerojax.rules import path_str
 
-FILE_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": jnp.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
+# safetensors dtype names and the numpy dtypes zerojax reads them as
+FILE_DTYPES = {name: np.dtype(t) for name, t in (("BF16", jnp.bfloat16), ("BOOL", np.bool_))} | {
+    f"{k[0].upper()}{bits}": np.dtype(f"{k}{bits}")
+    for k in ("float", "int", "uint")
+    for bits in (8, 16, 32, 64)
+    if k != "float" or bits > 8
 }
 
 
@@ -64,7 +60,7 @@ def _tensor(path: str, header: dict, start: int, name: str) -> np.ndarray:
     begin, _ = entry["data_offsets"]
     return np.memmap(
         path,
-        dtype=np.dtype(FILE_DTYPES[entry["dtype"]]),
+        dtype=FILE_DTYPES[entry["dtype"]],
         mode="r",
         offset=start + begin,
         shape=tuple(entry["shape"]),

@@ -29,29 +29,14 @@ from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS, stage_splits
 from zerojax.state import split_call
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s4": 0.5,
-    "u4": 0.5,
-    "bf16": 2,
-    "f16": 2,
-    "s16": 2,
-    "u16": 2,
-    "f32": 4,
-    "s32": 4,
-    "u32": 4,
-    "f64": 8,
-    "s64": 8,
-    "u64": 8,
-}
+# HLO array types: pred, or a kind (s, u, f, bf) and a width in bits (s4 ... f64)
+_DTYPE = r"pred|bf16|[suf]\d+"
 _OP = re.compile(
     r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>"
     + "|".join(COLLECTIVES)
     + r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
 )
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_ARRAY = re.compile(rf"\b({_DTYPE})\[([\d,]*)\]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,12 +61,16 @@ class Collective:
         return self.buffer_bytes * factor
 
 
+def _itemsize(dtype: str) -> float:
+    """Bytes per element of an HLO array type ('s4': half a byte)."""
+    return 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) / 8
+
+
 def _arrays_bytes(text: str):
     """(dtype, bytes) of every array type in an HLO shape string."""
     return [
-        (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt]))
+        (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dt)))
         for dt, dims in _ARRAY.findall(text)
-        if dt in _DTYPE_BYTES
     ]
 
 

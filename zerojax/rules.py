@@ -174,10 +174,6 @@ class TensorSpec:
         return P(*entries) if any(e is not None for e in entries) else P()
 
 
-def _spec_on(dim: int, ndim: int, axis: str) -> P:
-    return P(*([None] * dim + [axis] + [None] * (ndim - dim - 1)))
-
-
 def category_of(path) -> str:
     """PARAMS, OPT_STATE or OTHER from a leaf's path: the `params` / `opt_state` field or key,
     or position 0 / 1 of a tuple state `(params, opt_state, *others)`."""
@@ -233,7 +229,7 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
             dim = split_dim(sharded, cfg.axis)
             grad = sharded if cfg.shards_gradients else whole
         elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
-            spec, reason = _spec_on(0, len(leaf.shape), cfg.axis), "per-device buffer"
+            spec, reason = P(cfg.axis), "per-device buffer"
         elif cat == OPT_STATE:
             spec, reason = _follow_param(
                 path_str(path[1:]),

@@ -350,27 +350,21 @@ class ZeroStep:
         return _with_metrics(new_state, rest)
 
     def _warn_if_not_hooked(self):
-        if (
-            self.zero.config.explicit_collectives
-            and self.used_explicit_collectives is False
-            and self.zero.config.shards_gradients
-            and not self._warned
-        ):
-            self._warned = True
-            if self.zero.comm.tensor:
-                warnings.warn(
-                    f"zerojax: the mesh has tensor-parallel axes "
-                    f"{tuple(a for a, _ in self.zero.comm.tensor)}, so XLA's partitioner places "
-                    "every collective, ZeRO's included (explicit_collectives applies to meshes "
-                    "of ZeRO axes only).",
-                    category=ZeroWarning,
-                    stacklevel=3,
-                )
+        cfg, tensor_axes = self.zero.config, tuple(a for a, _ in self.zero.comm.tensor)
+        if cfg.explicit_collectives and cfg.shards_gradients and not self._warned:
+            if self.used_explicit_collectives is not False:
                 return
+            self._warned = True
+            reason = (
+                f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives applies "
+                "to meshes of ZeRO axes only)"
+                if tensor_axes
+                else f"{self.__name__} does not call state.apply_fn"
+            )
             warnings.warn(
-                f"zerojax: {self.__name__} does not call state.apply_fn, so XLA's "
-                "partitioner places the collectives (on CPU, stage 2 then all-reduces "
-                "the gradients instead of reduce-scattering them).",
+                f"zerojax: {reason}, so XLA's partitioner places every collective, ZeRO's "
+                "included (on CPU, stage 2 then all-reduces the gradients instead of "
+                "reduce-scattering them).",
                 category=ZeroWarning,
                 stacklevel=3,
             )

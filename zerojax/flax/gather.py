@@ -49,10 +49,10 @@ class GatherContext:
     """What a gathering module needs inside a stage-3 step's per-device body."""
 
     comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
-    split_dims: dict  # parameter path ('layers/Attention_0/query/kernel') -> dim or None
-    stored_ndim: dict  # the same paths -> ndim of the stored leaf (stacked when scanned)
-    compute_dtype: object  # None keeps the stored dtype
-    reduce_dtype: object
+    split_dims: dict = dataclasses.field(default_factory=dict)  # parameter path -> dim or None
+    stored_ndim: dict = dataclasses.field(default_factory=dict)  # path -> ndim stored (scanned)
+    compute_dtype: object = None  # None keeps the stored dtype
+    reduce_dtype: object = None
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
     prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory
