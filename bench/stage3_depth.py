@@ -1,6 +1,7 @@
 """Does stage 3's compiled peak grow with depth? Peak (arguments + temporaries) per device at
-L = 4 and L = 8 layers, for stage 0, zerojax stage 3 (gather_on_use layers; prefetch 1, the
-default, and prefetch 0) and a plain
+L = 4 and L = 8 layers, for stage 0, zerojax stage 3 (attention and MLP as units, named with
+`units=` from outside the model; prefetch 1, the default, and prefetch 0; and the default
+units='auto', one unit per block) and a plain
 `jax.jit` FSDP baseline (parameters sharded, XLA inserts the gathers: explicit_collectives
 off), scanned and unrolled, with activations negligible (one 8-token sequence per device).
 
@@ -27,10 +28,14 @@ from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 BASE = LM_PRESETS["tiny"].replace(d_model=256, n_heads=8, d_ff=704, seq_len=8)
+# the LM's attention and MLP as units, named from outside (the model imports nothing of
+# zerojax), as DeepSpeed gathers each submodule; "auto" makes each whole block one unit
+UNITS = ("Attention", "MLP")
 CONTENDERS = {
     "stage 0": dict(stage=0),
-    "stage 3": dict(stage=3),
-    "stage 3 prefetch 0": dict(stage=3, prefetch=0),
+    "stage 3": dict(stage=3, units=UNITS),
+    "stage 3 prefetch 0": dict(stage=3, prefetch=0, units=UNITS),
+    "stage 3 units auto": dict(stage=3),
     "jit FSDP": dict(stage=3, explicit_collectives=False),
 }
 

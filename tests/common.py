@@ -161,7 +161,7 @@ def assert_trees_close(got, want, rtol=PARITY_RTOL, atol=PARITY_ATOL):
 
 
 def zeropp_setup(steps):
-    """The tiny LM (gather_on_use layers) with qwZ + hpZ + qgZ on a (node, local) mesh: one
+    """The tiny LM (its blocks as units) with qwZ + hpZ + qgZ on a (node, local) mesh: one
     node per process here, (2, 4) simulated in one process by the test."""
     from zerojax.models.gpt import make_init as lm_init
     from zerojax.models.gpt import train_step as lm_step

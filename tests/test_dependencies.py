@@ -41,3 +41,22 @@ def test_jax_backend_registry_is_where_zerojax_looks():
     )
     jax.devices()
     assert bridge._backends  # filled once a backend has started
+
+
+def test_shard_map_values_say_which_axes_they_vary_over():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    seen = []
+
+    def body(x, y):
+        seen.append((jax.typeof(x).mat.varying, jax.typeof(y).mat.varying))
+        return x + y.sum()
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))
+    jax.jit(run).trace(np.zeros(jax.device_count(), np.float32), np.zeros(3, np.float32))
+    assert seen == [(frozenset({"data"}), frozenset())], (
+        "jax.typeof(x).mat.varying no longer names the manual axes a value varies over: "
+        "zerojax.flax.gather._per_device reads it to cast a unit's whole leaves to per-device "
+        f"values only over the axes they do not vary over yet (got {seen}); find its new name."
+    )

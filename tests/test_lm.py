@@ -76,7 +76,7 @@ def test_lm_trains_like_one_device(stage, scan, remat, prefetch):
 
 @pytest.mark.parametrize("precision,scan", [("fp16", True), ("bf16", False)])
 def test_lm_stage_3_in_16_bits_trains_like_stage_0(precision, scan):
-    # gather_on_use layers take the fp16 loss scale as a custom-VJP residual (their backward
+    # stage-3 units take the fp16 loss scale as a custom-VJP residual (their backward
     # runs in another trace than their forward): a regression test for that
     cfg = CFG.replace(scan_layers=scan)
     rng = np.random.default_rng(1)

@@ -290,12 +290,12 @@ def test_bad_options_are_named(options, message):
         zj.ZeroConfig(**options)
 
 
-def test_hpz_without_gather_on_use_modules_says_it_has_nothing_to_do():
+def test_hpz_without_units_says_it_has_nothing_to_do():
     from common import batches
     from common import make_init as gpt_init
     from common import train_step as gpt_step
 
-    zero = zj.zero_shard(stage=3, hpz_partition_size=4)  # the demo GPT wraps no layers
+    zero = zj.zero_shard(stage=3, hpz_partition_size=4, units=())  # no stage-3 units
     state = zero.init(gpt_init(optax.sgd(0.1)), jax.random.key(0))
     with pytest.warns(UserWarning, match="hpz_partition_size has nothing to do"):
         zero(gpt_step)(state, batches(1)[0])

@@ -50,13 +50,21 @@ class ZeroConfig:
     axis on another dimension of each leaf (see rules.py)."""
 
     prefetch: int = 1
-    """Stage 3, modules wrapped with `zj.flax.gather_on_use`: how many modules ahead a module's
-    all-gather may be issued (0 or 1). 1 lets the next module's gather run while this one
-    computes, at the cost of one more module of gathered weights alive (DeepSpeed prefetches
-    by bucket size; the wrapped module is the unit here). 0 gathers each module only once its
-    input exists. Unrolled stacks get this from a data dependency on the previous module's
-    input; in a scanned body (one traced loop body) the first module's gather is left to XLA's
+    """Stage 3 units (see `units`): how many units ahead a unit's all-gather may be issued
+    (0 or 1). 1 lets the next unit's gather run while this one computes, at the cost of one
+    more unit of gathered weights alive (DeepSpeed prefetches by bucket size; here by unit).
+    0 gathers each unit only once its input exists. Unrolled stacks get this from a data
+    dependency on the previous unit's input; in a scanned body (one traced loop body) the
+    first unit's gather is left to XLA's
     collective pipeliner on GPU (set by zerojax.xla_flags) and later ones wait for their input."""
+
+    units: Any = "auto"
+    r"""Stage 3: the modules whose parameters are gathered only while they run, chosen from
+    outside the model (Linen; see zerojax.flax.units). A regex or a tuple of them, matched whole
+    against module class names or paths ('Block', r'layers_\d+/mlp'); 'auto': the repeated
+    blocks (each scanned body, each of two or more same-class siblings), as FSDP2 wraps each
+    transformer block; () only the classes marked with `zj.flax.gather_on_use`. Parameters of
+    no unit are gathered once at the start of the step and kept for backward."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around
@@ -106,7 +114,7 @@ class ZeroConfig:
     """qwZ elements per int8 block (one fp32 scale each: 1.6% extra bytes at 256)."""
 
     hpz_partition_size: int = 1
-    """hpZ: > 1 keeps, after each `gather_on_use` layer's forward gather, a secondary copy of
+    """hpZ: > 1 keeps, after each stage-3 unit's forward gather, a secondary copy of
     its weights sharded over this many devices (one node: the mesh's 'local' axis), so that
     backward re-gathers inside the node, never across nodes. Costs 2 bytes (bf16) x layer
     parameters / this size per device between forward and backward. 1: off."""
@@ -225,12 +233,33 @@ class ZeroConfig:
                     f"('mlp', 'model'); got {rule!r}."
                 )
         object.__setattr__(self, "logical_rules", logical)
+        self._check_units()
         for name in _BOOLEANS:
             if not isinstance(getattr(self, name), bool):
                 raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
         self._check_update_options()
         self._check_offload_options()
         self._check_zeropp_options()
+
+    def _check_units(self):
+        units = tuple(self.units) if isinstance(self.units, list) else self.units
+        object.__setattr__(self, "units", units)
+        patterns = () if units == "auto" else (units,) if isinstance(units, str) else units
+        if not isinstance(patterns, tuple) or not all(isinstance(p, str) for p in patterns):
+            raise ZeroError(
+                f"units must be 'auto', a regex or a tuple of regexes (got {units!r}), e.g. "
+                "units='Block' or units=(r'layers_\\d+/attn', r'layers_\\d+/mlp')."
+            )
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ZeroError(f"units regex {pattern!r} does not compile: {e}.") from None
+        if patterns and not self.shards_parameters:
+            raise ZeroError(
+                f"units name the modules stage 3 gathers on use (got stage {self.stage}): "
+                "set stage=3, or leave units at its default 'auto'."
+            )
 
     def _check_zeropp_options(self):
         for name, low in (

@@ -278,7 +278,7 @@ ZERO_OPTIMIZATION = {
         "only the per-leaf stage3_param_persistence_threshold applies"
     ),
     "stage3_max_live_parameters": _ignored(
-        "gather_on_use with prefetch bounds gathered weights to about two layers"
+        "stage-3 units with prefetch bound gathered weights to about two units"
     ),
     "stage3_max_reuse_distance": _ignored("each layer is re-gathered in backward"),
     "stage3_gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,

@@ -129,7 +129,19 @@ class ZeroShard:
         objects (one, or a tuple) come back as new objects holding the placed state."""
         user = boundary(state)
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(state))
-        placed = jax.jit(self.manage, out_shardings=shardings)(user.tree)
+        tree = read_linen_boxes(user.tree, self.mesh, self.config)[0]
+        mesh_devices = set(self.mesh.devices.flat)
+
+        def onto_mesh(x, sharding):  # a leaf committed elsewhere (e.g. built on one device)
+            elsewhere = isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
+            return jax.device_put(x, sharding.with_memory_kind("device")) if elsewhere else x
+
+        tree = jax.tree_util.tree_map(
+            onto_mesh,
+            tree,
+            self._layout(jax.eval_shape(lambda t: t, tree), user).shardings(self.mesh),
+        )
+        placed = jax.jit(self.manage, out_shardings=shardings)(tree)
         self._check_logical_rules_used(self._declared(user))
         return user.rebuild(placed)
 

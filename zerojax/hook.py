@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -24,6 +25,7 @@ from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import GatherContext, gather_context
+from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, StateLayout, key_name, path_str
@@ -85,18 +87,17 @@ def hooked_apply_fn(
         leaf_plans = plans(variables)
         store = tuple(P() if p is None else p.spec for p in leaf_plans)
         grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
-        # stage 3: leaves of gather_on_use modules enter as shards and are gathered per layer
-        claimed = (
-            _claimed(apply_fn, variables, args, kwargs, flat_vars)
-            if cfg.shards_parameters
-            else [False] * len(leaves)
-        )
+        # stage 3: leaves of units enter as shards and are gathered per unit
+        units = _units(apply_fn, variables, args, kwargs, cfg) if cfg.shards_parameters else ()
+        prefixes = tuple(u + "/" for u in units)
+        claimed = [
+            key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes) for p, _ in flat_vars
+        ]
         if comm.secondary and not any(claimed):
             warnings.warn(
-                "zerojax: hpz_partition_size has nothing to do: the model has no "
-                "zj.flax.gather_on_use modules, so its parameters are gathered once "
-                "per step and kept for backward (no backward gather to keep inside "
-                "the node). Wrap its layers with gather_on_use.",
+                "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
+                "units, so its parameters are gathered once per step and kept for backward "
+                "(no backward gather to keep inside the node). Name its blocks with units=.",
                 category=ZeroWarning,
                 stacklevel=2,
             )
@@ -122,6 +123,7 @@ def hooked_apply_fn(
             reduce_dtype=dtypes_reduce,
             prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
+            units=frozenset(units),
             split_dims={
                 path_str(p[1:]): plan.split_dim
                 for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)
@@ -153,10 +155,9 @@ def hooked_apply_fn(
             variables_local = jax.tree_util.tree_unflatten(
                 var_tree, [next(shards) if c else next(copies)[0] for c in claimed]
             )
-            if cfg.shards_parameters:  # the scale: an argument, no outer tracer
-                with gather_context(dataclasses.replace(gather_ctx, scale=scale)):
-                    out = model(variables_local, values)
-            else:
+            # the scale: an argument, no outer tracer
+            ctx = dataclasses.replace(gather_ctx, scale=scale) if units else None
+            with gather_context(ctx), nn.intercept_methods(intercept):
                 out = model(variables_local, values)
             _check_outputs(out, {r // n for r in batch_rows})
             return out
@@ -184,20 +185,18 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
 
 
-def _claimed(apply_fn, variables, args, kwargs, flat_vars) -> list:
-    """Per variable leaf: is it a parameter of a `gather_on_use` module? (An abstract trace
-    of the model records which modules gather.)"""
-    ctx = GatherContext(comm=None, discover=True)
+def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
+    """The paths of the modules stage 3 gathers as units (`flax.units`), from an abstract trace
+    of the model that records its module calls."""
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]
     run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    with gather_context(ctx):
+    with discovering() as found:
         jax.eval_shape(
             run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
         )
-    prefixes = tuple(c + "/" for c in ctx.claimed)
-    return [key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes) for p, _ in flat_vars]
+    return select_units(found.calls, cfg.units)
 
 
 def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):

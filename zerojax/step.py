@@ -189,7 +189,7 @@ class ZeroStep:
         if cfg.explicit_collectives and cfg.shards_gradients and not self._jitted:
             warnings.warn(
                 "zerojax: NNX steps leave every collective to XLA's partitioner (the "
-                "per-device apply_fn hook and gather_on_use are Linen's): the state is "
+                "per-device apply_fn hook and stage-3 units are Linen's): the state is "
                 f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
                 "not reduce-scattered.",
                 category=ZeroWarning,

@@ -1,5 +1,5 @@
 """Flax integration: module transforms zerojax understands."""
 
-from zerojax.flax.gather import gather_on_use
+from zerojax.flax.units import gather_on_use
 
 __all__ = ["gather_on_use"]

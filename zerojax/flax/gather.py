@@ -1,7 +1,8 @@
-"""`gather_on_use(Block)`: stage 3 gathers a module's parameters only while it runs.
+"""Stage-3 units: a module's parameters exist whole only while it runs.
 
-Outside a zerojax stage-3 step the transformed module is the module itself. Inside one, it
-receives its parameters as this device's shards and runs through `layer_call`, a custom VJP:
+Which modules are units is decided in `zerojax.flax.units`; this module runs one.
+Inside a zerojax stage-3 step a unit receives its parameters as this device's shards and runs
+through `layer_call`, a custom VJP:
 forward all-gathers the weights, runs the layer and keeps only the shards and the layer input;
 backward all-gathers the weights again, recomputes the layer, reduce-scatters the weight
 gradient at once and drops the gathered copy. Each gather is made to depend on the layer's
@@ -38,10 +39,12 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
+from zerojax.rules import spec_names
 
 _CONTEXT: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
     "zerojax_gather_context", default=None
 )
+_INSIDE = contextvars.ContextVar("zerojax_inside_unit", default=False)
 
 
 @dataclasses.dataclass
@@ -56,13 +59,13 @@ class GatherContext:
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
     prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory
-    discover: bool = False  # only record which modules gather
-    claimed: set = dataclasses.field(default_factory=set)
+    units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
 
 
 @contextlib.contextmanager
-def gather_context(ctx: GatherContext):
+def gather_context(ctx: GatherContext | None):
+    """`ctx` in force for the units of the model traced inside."""
     token = _CONTEXT.set(ctx)
     try:
         yield ctx
@@ -70,38 +73,33 @@ def gather_context(ctx: GatherContext):
         _CONTEXT.reset(token)
 
 
-def gather_on_use(module_cls):
-    """A subclass of the Flax module class `module_cls` whose parameters stage 3 gathers only
-    while an instance runs (forward, then again in backward)."""
+def current_context() -> GatherContext | None:
+    """The context of the stage-3 step being traced, or None outside one and inside a unit."""
+    return None if _INSIDE.get() else _CONTEXT.get()
 
-    class Gathered(module_cls):
-        def __call__(self, *args, **kwargs):
-            ctx = _CONTEXT.get()
-            if ctx is None or self.is_initializing():
-                return super().__call__(*args, **kwargs)
-            prefix = "/".join(self.path)
-            if ctx.discover:
-                ctx.claimed.add(prefix)
-                return super().__call__(*args, **kwargs)
-            shards = self.variables["params"]
-            fields = {
-                f.name: getattr(self, f.name)
-                for f in dataclasses.fields(module_cls)
-                if f.name not in ("parent", "name")
-            }
-            plain = module_cls(**fields, parent=None)  # unbound: applied functionally
-            apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
-            dims = jax.tree_util.tree_map_with_path(
-                lambda p, x: _layer_dim(ctx, prefix, p, x), shards
-            )
-            scanned = any(
-                ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
-                for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
-            )
-            return layer_call(apply, dims, ctx, shards, args, kwargs, scanned)
 
-    Gathered.__name__ = Gathered.__qualname__ = module_cls.__name__
-    return Gathered
+def gather_unit(module, args, kwargs):
+    """Run the bound Linen `module`'s `__call__` as a stage-3 unit (see the module docstring):
+    its parameters enter as this device's shards, are gathered only while it runs and their
+    gradients are reduce-scattered as soon as backward leaves it."""
+    ctx = _CONTEXT.get()
+    prefix = "/".join(module.path)
+    shards = module.variables["params"]
+    plain = module.clone(parent=None)  # unbound: applied functionally on the gathered weights
+
+    def apply(params, a, k):
+        token = _INSIDE.set(True)  # modules inside the unit run on the gathered weights as is
+        try:
+            return plain.apply({"params": params}, *a, **k)
+        finally:
+            _INSIDE.reset(token)
+
+    dims = jax.tree_util.tree_map_with_path(lambda p, x: _layer_dim(ctx, prefix, p, x), shards)
+    scanned = any(
+        ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
+        for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
+    )
+    return layer_call(apply, dims, ctx, shards, args, kwargs, scanned)
 
 
 def _full_path(prefix, path) -> str:
@@ -176,19 +174,33 @@ def _gather(shards, dims, ctx):
     return jax.tree_util.tree_map(one, shards, dims)
 
 
+def _per_device(shards, dims, ctx):
+    """Leaves a unit keeps whole (dim < 0) cast, in the reduce dtype, to per-device values, so
+    that autodiff sums their gradients over the devices (the transpose of this cast is that
+    sum) wherever the unit runs, a scan body included; split leaves become per-replica (MiCS)."""
+
+    def one(x, dim):
+        if dim >= 0:
+            return vary_over_replicas(x, ctx.comm)
+        if ctx.reduce_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(ctx.reduce_dtype)
+        varying = jax.typeof(x).mat.varying  # axes x already varies over (a scan body's slice)
+        axes = tuple(a for a in spec_names(ctx.comm.data_axis) if a not in varying)
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    return jax.tree_util.tree_map(one, shards, dims)
+
+
 def _scatter(grads, dims, shards, ctx, scale):
-    return jax.tree_util.tree_map(
-        lambda g, dim, x: unscale(
-            reduce_gradient(
-                g, None if dim < 0 else dim, ctx.comm, ctx.reduce_dtype, replicas=False
-            ),
-            scale,
-            x.dtype,
-        ),
-        grads,
-        dims,
-        shards,
-    )
+    """Split leaves' gradients reduce-scattered now; whole leaves' left per device (summed by
+    `_per_device`'s transpose)."""
+
+    def one(g, dim, x):
+        if dim >= 0:
+            g = reduce_gradient(g, dim, ctx.comm, ctx.reduce_dtype, replicas=False)
+        return unscale(g, scale, x.dtype)
+
+    return jax.tree_util.tree_map(one, grads, dims, shards)
 
 
 def _secondary(params, dims, ctx) -> list:
@@ -242,5 +254,5 @@ def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
         return _scatter(dparams, dims, shards, ctx, scale), dargs, zero(anchor), zero(scale)
 
     run.defvjp(fwd, bwd)
-    shards = vary_over_replicas(shards, ctx.comm)
+    shards = _per_device(shards, dims, ctx)
     return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)

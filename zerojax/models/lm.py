@@ -7,13 +7,10 @@ rematerialised. It knows nothing of ZeRO: zerojax wraps its unchanged train step
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
-from zerojax.flax.gather import gather_on_use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,26 +95,16 @@ class MLP(nn.Module):
         return nn.Dense(cfg.d_model, use_bias=False, name="down")(nn.silu(gate) * up)
 
 
-@functools.cache
-def _gathered(cls):
-    """`cls` gathered on use: under zerojax stage 3 its weights exist whole only while it runs."""
-    return gather_on_use(cls)
-
-
 class Block(nn.Module):
-    """Pre-norm attention + SwiGLU MLP. Without remat, attention and MLP are gathered as
-    separate units (as DeepSpeed gathers each submodule: a layer never holds all its weights
-    at once; each unit is recomputed in backward from its input). With remat, the LM
-    rematerialises and gathers the whole block as one unit (saving only the block's input)."""
+    """Pre-norm attention + SwiGLU MLP."""
 
     cfg: LMConfig
 
     @nn.compact
     def __call__(self, x, _=None):
         cfg = self.cfg
-        unit = (lambda cls: cls) if cfg.remat else _gathered
-        x = x + unit(Attention)(cfg, name="Attention_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
-        x = x + unit(MLP)(cfg, name="MLP_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
+        x = x + Attention(cfg, name="Attention_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
+        x = x + MLP(cfg, name="MLP_0")(nn.RMSNorm(epsilon=cfg.norm_eps)(x))
         return (x, None) if cfg.scan_layers else x
 
 
@@ -131,7 +118,7 @@ class LM(nn.Module):
             cfg.vocab, cfg.d_model, embedding_init=nn.initializers.normal(0.02), name="embed"
         )
         x = embed(tokens)
-        block = _gathered(nn.remat(Block, prevent_cse=not cfg.scan_layers)) if cfg.remat else Block
+        block = nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat else Block
         if cfg.scan_layers:
             stack = nn.scan(
                 block, variable_axes={"params": 0}, split_rngs={"params": True}, length=cfg.n_layers

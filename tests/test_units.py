@@ -1,0 +1,195 @@
+"""Stage-3 units chosen from outside the model: a Linen transformer written here, the way a user
+writes one, importing nothing from zerojax, gathered block by block through `units=` (or
+'auto'). Slope = (peak(L=8) - peak(L=4)) / 4, the compiled peak's growth per added layer."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import zerojax as zj
+from tests.common import assert_trees_close
+
+
+class Block(nn.Module):
+    """GPT-2 style: pre-norm causal self-attention and a GELU MLP, residuals around both."""
+
+    d: int
+    heads: int
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, _=None):
+        h = nn.LayerNorm()(x)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], bool))
+        # no attention biases: the key bias's true gradient is exactly 0 (softmax ignores a
+        # shift), so Adam would turn float rounding noise into full-size updates there
+        attention = nn.MultiHeadDotProductAttention(num_heads=self.heads, use_bias=False)
+        x = x + attention(h, h, mask=mask)
+        h = nn.Dense(4 * self.d)(nn.LayerNorm()(x))
+        h = nn.Dropout(self.dropout, deterministic=not self.dropout)(h)
+        return x + nn.Dense(self.d)(nn.gelu(h)), None
+
+
+class Transformer(nn.Module):
+    layers: int
+    scan: bool
+    d: int = 64
+    heads: int = 4
+    vocab: int = 128
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.d)(tokens)
+        if self.scan:
+            stack = nn.scan(
+                Block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                length=self.layers,
+            )
+            x, _ = stack(self.d, self.heads, self.dropout, name="blocks")(x, None)
+        else:
+            for i in range(self.layers):
+                x, _ = Block(self.d, self.heads, self.dropout, name=f"block_{i}")(x)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))
+
+
+def init_fn(model, seq):
+    def init(key):
+        params = model.init(key, jnp.zeros((1, seq), jnp.int32))["params"]
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)
+        )
+
+    return init
+
+
+def step(state, batch):
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def peak(options, layers, scan, seq=128):
+    zero = zj.zero_shard(**options)
+    state = zero.eval_shape(init_fn(Transformer(layers, scan), seq), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((8, seq + 1), jnp.int32)
+    return zero.report(zero(step), state, batch).peak_bytes
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_units_from_outside_bound_the_peak_per_layer(scan):
+    contenders = {
+        "stage 0": dict(stage=0),
+        "units Block": dict(stage=3, units="Block"),
+        "units auto": dict(stage=3),
+        "no units": dict(stage=3, units=()),
+    }
+    p = {(name, L): peak(o, L, scan) for name, o in contenders.items() for L in (4, 8)}
+    slope = {name: (p[(name, 8)] - p[(name, 4)]) / 4 for name in contenders}
+    # sequence 128: activations matter; each unit keeps only its input for backward
+    assert slope["units Block"] <= 0.15 * slope["stage 0"], slope
+    assert slope["units auto"] <= 0.15 * slope["stage 0"], slope
+    # the units are what bounds it: without them stage 3 keeps every gathered layer
+    assert slope["no units"] > 1.5 * slope["units Block"], slope
+
+
+@pytest.mark.parametrize("units", ["Block", "auto", r"block_\d+|blocks"])
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_units_from_outside_match_single_device_training(scan, units):
+    model, seq = Transformer(2, scan), 16
+    data = [
+        np.random.default_rng(i).integers(0, 128, (16, seq + 1), dtype=np.int32) for i in range(3)
+    ]
+    want = jax.device_put(init_fn(model, seq)(jax.random.key(0)), jax.devices()[0])
+    single = jax.jit(step)
+    zero = zj.zero_shard(stage=3, units=units)
+    got = zero.shard(want)
+    got_step = zero(step)
+    for batch in data:
+        want, want_loss = single(want, batch)
+        got, got_loss = got_step(got, batch)
+        np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert got_step.used_explicit_collectives
+    assert_trees_close(got.params, want.params)
+    assert_trees_close(got.opt_state, want.opt_state)
+
+
+def test_units_that_match_nothing_and_the_model_with_dropout():
+    state0 = init_fn(Transformer(2, False, dropout=0.1), 16)(jax.random.key(0))
+    batch = np.zeros((8, 17), np.int32)
+
+    def dropout_step(state, batch, key):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch[:, :-1], rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    # named explicitly, a unit that cannot take RNG streams yet is an error naming it
+    zero = zj.zero_shard(stage=3, units="Block")
+    with pytest.raises(zj.ZeroError, match=r"module block_0 \(Block\) cannot be a stage-3 unit"):
+        zero(dropout_step).trace(zero.shard(state0), batch, jax.random.key(1))
+    # 'auto' says which blocks it leaves whole and why, and still trains
+    zero = zj.zero_shard(stage=3)
+    with pytest.warns(zj.ZeroWarning, match="gathers block_0, block_1 whole .* RNG streams"):
+        new = zero(dropout_step)(zero.shard(state0), batch, jax.random.key(1))
+    assert int(new.step) == 1
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(stage=3, units="Block("), "units regex 'Block\\(' does not compile"),
+        (dict(stage=3, units=3), "units must be 'auto', a regex or a tuple of regexes"),
+        (dict(stage=2, units="Block"), "units name the modules stage 3 gathers"),
+    ],
+)
+def test_bad_units_name_the_option(options, message):
+    with pytest.raises(zj.ZeroError, match=message):
+        zj.zero_shard(**options)
+
+
+def test_default_units_at_lower_stages_is_no_error():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zj.ZeroConfig(stage=1).units == "auto"
+
+
+def test_gather_on_use_marks_a_unit_from_inside_the_model():
+    class Marked(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = zj.flax.gather_on_use(Block)(64, 4, name="block_0")(x)[0]
+            return nn.Dense(128)(Block(64, 4, name="plain")(x)[0])
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            return Marked()(nn.Embed(128, 64)(tokens))
+
+    state = init_fn(Model(), 16)(jax.random.key(0))
+    leaves = jax.tree_util.tree_leaves(state.params["Marked_0"]["block_0"])
+    block = sum(x.size for x in leaves if x.size >= 1024)  # smaller ones stay replicated
+    gathered = {}
+    with pytest.warns(zj.ZeroWarning, match=r"units \['plain'\] match no module .* Marked_0/plain"):
+        zero = zj.zero_shard(stage=3, units="plain")
+        zero(step).trace(zero.shard(state), np.zeros((8, 17), np.int32))
+    for units in ((), ".*/plain"):
+        zero = zj.zero_shard(stage=3, units=units)
+        rep = zero.report(zero(step), zero.shard(state), np.zeros((8, 17), np.int32))
+        gathered[units] = rep.bytes_of("all-gather")
+    # fp32: a unit's 4-byte split weights are gathered twice (forward, backward), others once; the
+    # marked block is a unit either way, and naming `plain` (by path) adds the same again
+    assert gathered[()] >= 2 * 4 * block
+    assert gathered[".*/plain"] - gathered[()] == 4 * block

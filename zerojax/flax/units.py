@@ -1,0 +1,156 @@
+"""Which Linen modules stage 3 gathers as units, chosen from outside the model.
+
+A unit's parameters rest as shards and are gathered only while it runs (`flax.gather`). The
+units are found by tracing the model once, abstractly, with a Flax method interceptor
+(`nn.intercept_methods`) that records every module call: its path, class, whether it is the
+body of a lifted transform (`nn.scan`, `nn.remat`) and what it reads. `ZeroConfig.units`
+then picks them: regexes matched (whole) against module class names or paths, or 'auto', the
+repeated blocks of the model (each body of a scanned stack, each module among two or more
+same-class siblings), as FSDP2 users wrap each transformer block. Classes marked with
+`gather_on_use` are units either way. A unit nested in another is part of the outer one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import warnings
+
+import flax.linen as nn
+from flax.core.scope import Scope
+
+from zerojax.config import ZeroError
+from zerojax.errors import ZeroWarning
+from zerojax.flax.gather import current_context, gather_unit
+
+UNIT_MARK = "_zerojax_unit"
+
+
+def gather_on_use(module_cls):
+    """`module_cls` marked as a stage-3 unit from inside the model's code (the same as naming
+    its class in `units`); outside a zerojax stage-3 step it is the module itself."""
+    marked = type(module_cls.__name__, (module_cls,), {UNIT_MARK: True})
+    marked.__qualname__ = module_cls.__qualname__
+    return marked
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCall:
+    """One module call seen while tracing the model."""
+
+    path: str  # 'layers' or 'blocks_0/mlp'
+    cls: str
+    lifted: bool  # the body of a lifted transform (nn.scan, nn.remat)
+    marked: bool  # its class went through gather_on_use
+    has_params: bool
+    blocker: str  # why it cannot be a unit ('' if it can)
+
+
+@dataclasses.dataclass
+class Discovery:
+    """The `ModuleCall`s of one abstract trace of the model."""
+
+    calls: dict = dataclasses.field(default_factory=dict)
+
+
+_DISCOVERY: list = []  # the discovery in progress (innermost last)
+
+
+def intercept(next_fun, args, kwargs, context):
+    """The interceptor zerojax's per-device model runs under: records calls while units are
+    being found, and runs the chosen units' `__call__` as gathered units."""
+    module = context.module
+    if context.method_name != "__call__" or module.is_initializing():
+        return next_fun(*args, **kwargs)
+    path = "/".join(module.path)
+    if _DISCOVERY:
+        if path not in _DISCOVERY[-1].calls:
+            _DISCOVERY[-1].calls[path] = _record(module, path)
+        return next_fun(*args, **kwargs)
+    ctx = current_context()
+    if ctx is None or path not in ctx.units:
+        return next_fun(*args, **kwargs)
+    return gather_unit(module, args, kwargs)
+
+
+def _record(module, path) -> ModuleCall:
+    other = sorted(c for c in module.variables if c != "params")
+    blocker = (
+        f"it reads the collections {other}"
+        if other
+        else "the model is applied with RNG streams"
+        if module.scope.rngs
+        else "the model is applied with mutable collections"
+        if module.scope.mutable
+        else ""
+    )
+    return ModuleCall(
+        path,
+        type(module).__name__,
+        lifted=bool(module.path) and isinstance(module.parent, Scope),
+        marked=bool(getattr(type(module), UNIT_MARK, False)),
+        has_params=bool(module.variables.get("params")),
+        blocker=blocker,
+    )
+
+
+class discovering:
+    """Context in which a traced model's module calls are recorded (`.calls`)."""
+
+    def __enter__(self) -> Discovery:
+        self.found = Discovery()
+        _DISCOVERY.append(self.found)
+        self._intercepting = nn.intercept_methods(intercept)
+        self._intercepting.__enter__()
+        return self.found
+
+    def __exit__(self, *exc):
+        self._intercepting.__exit__(*exc)
+        _DISCOVERY.pop()
+
+
+def select_units(calls: dict, units) -> frozenset:
+    """The paths of the units among `calls` ({path: ModuleCall}) by the `units` option."""
+    candidates = {p: c for p, c in calls.items() if p and c.has_params}
+    if units == "auto":
+        parent = lambda p: p.rpartition("/")[0]
+        siblings = collections.Counter((parent(p), c.cls) for p, c in candidates.items())
+        chosen = [
+            p
+            for p, c in candidates.items()
+            if c.marked or c.lifted or siblings[(parent(p), c.cls)] > 1
+        ]
+    else:
+        patterns = (units,) if isinstance(units, str) else tuple(units)
+        matches = lambda x, p, c: bool(re.fullmatch(x, c.cls) or re.fullmatch(x, p))
+        chosen = [
+            p for p, c in candidates.items() if c.marked or any(matches(x, p, c) for x in patterns)
+        ]
+        unused = [x for x in patterns if not any(matches(x, p, c) for p, c in candidates.items())]
+        if unused:
+            seen = sorted({c.cls for c in candidates.values()})
+            seen += sorted(p for p in candidates if p.count("/") <= 1)[:12]
+            warnings.warn(
+                f"zerojax: units {unused} match no module with parameters (patterns match a "
+                f"whole class name or path; the model has {', '.join(seen)}, ...).",
+                category=ZeroWarning,
+                stacklevel=4,
+            )
+    outermost = [p for p in chosen if not any(p.startswith(q + "/") for q in chosen)]
+    blocked = {p: candidates[p] for p in outermost if candidates[p].blocker}
+    for p, c in blocked.items():
+        if units != "auto" or c.marked:
+            raise ZeroError(
+                f"module {p} ({c.cls}) cannot be a stage-3 unit yet: {c.blocker}. Drop it "
+                "from units= (or its gather_on_use), or apply the model without them."
+            )
+    if blocked:
+        warnings.warn(
+            f"zerojax: stage 3 gathers {', '.join(sorted(blocked))} whole for the step, not as "
+            f"units ({next(iter(blocked.values())).blocker}): units do not yet receive RNG "
+            "streams or other collections.",
+            category=ZeroWarning,
+            stacklevel=4,
+        )
+    return frozenset(p for p in outermost if p not in blocked)
