@@ -193,3 +193,41 @@ def test_gather_on_use_marks_a_unit_from_inside_the_model():
     # marked block is a unit either way, and naming `plain` (by path) adds the same again
     assert gathered[()] >= 2 * 4 * block
     assert gathered[".*/plain"] - gathered[()] == 4 * block
+
+
+def closure_step(model):
+    """A step that applies a module captured in a closure, never touching state.apply_fn."""
+
+    def train(state, batch):
+        def loss_fn(params):
+            logits = model.apply({"params": params}, batch[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return train
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_closure_called_model_gets_the_explicit_collectives(stage):
+    model, seq = Transformer(2, stage == 3), 16
+    state0 = init_fn(model, seq)(jax.random.key(0))
+    state0 = state0.replace(apply_fn=None)  # nothing for zerojax to hook there
+    data = [
+        np.random.default_rng(i).integers(0, 128, (16, seq + 1), dtype=np.int32) for i in range(2)
+    ]
+    zero = zj.zero_shard(stage=stage)
+    got, got_step, want = zero.shard(state0), zero(closure_step(model)), state0
+    single = jax.jit(closure_step(model))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "XLA places the collectives" warning
+        for batch in data:
+            want, want_loss = single(want, batch)
+            got, got_loss = got_step(got, batch)
+            np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    assert got_step.used_explicit_collectives
+    assert_trees_close(got.params, want.params)
+    hlo = got_step.lower(got, data[0]).as_text()
+    # stages 2-3 reduce-scatter the gradients, as a state.apply_fn step does
+    assert ("reduce_scatter" in hlo) == (stage >= 2), stage

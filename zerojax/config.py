@@ -67,10 +67,11 @@ class ZeroConfig:
     no unit are gathered once at the start of the step and kept for backward."""
 
     explicit_collectives: bool = True
-    """Gather parameters and reduce gradients with explicit collectives around
-    `state.apply_fn` (a real reduce-scatter for stages 2-3 on every backend). False leaves every
-    collective to XLA's partitioner, which on CPU turns stage 2's reduce-scatter into an
-    all-reduce. Steps that do not call `state.apply_fn` always use XLA's collectives."""
+    """Gather parameters and reduce gradients with explicit collectives around the Linen model
+    (`state.apply_fn`, or a closure's `model.apply` on the batch): a real reduce-scatter for
+    stages 2-3 on every backend. False leaves every collective to XLA's partitioner, which on
+    CPU turns stage 2's reduce-scatter into an all-reduce. Steps that call no model zerojax can
+    run per device (NNX modules, `mutable=[...]`) always use XLA's collectives."""
 
     donate: bool = True
     """Donate the state buffers to the step so the new state reuses their memory."""

@@ -12,23 +12,28 @@ scale and the parameter gradients are divided by it (in fp32) as they leave.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import warnings
 
 import flax.linen as nn
 import jax
 import numpy as np
+from flax.core.scope import Scope
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
 from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.errors import ZeroWarning
-from zerojax.flax.gather import GatherContext, gather_context
+from zerojax.flax.gather import GatherContext, gather_context, inside_unit
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, StateLayout, key_name, path_str
+
+_RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
 
 
 class ApplyHookError(ZeroError):
@@ -180,9 +185,48 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
 
     def model(variables, values):
         args, kwargs = _with_values(flat, positions, values, tree)
-        return apply_fn(variables, *args, **kwargs)
+        token = _RUNNING_MODEL.set(True)  # its own module calls are not hooked again
+        try:
+            return apply_fn(variables, *args, **kwargs)
+        finally:
+            _RUNNING_MODEL.reset(token)
 
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
+
+
+@contextlib.contextmanager
+def linen_calls_hooked(hook, batch_rows: set):
+    """Inside, a Linen model applied anywhere in the step (`model.apply` on a module captured
+    in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
+    `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
+    dimension), not initializing, without mutable collections, its RNG streams plain keys."""
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if not _hookable(module, (args, kwargs), batch_rows):
+            return next_fun(*args, **kwargs)
+        rngs = {name: rng.rng for name, rng in module.scope.rngs.items()}
+        plain, method = module.clone(parent=None), context.method_name
+        run = lambda variables, *a, **k: plain.apply(variables, *a, method=method, **k)
+        extra = {"rngs": rngs} if rngs else {}
+        return hook(run)(dict(module.variables), *args, **extra, **kwargs)
+
+    with nn.intercept_methods(intercept):
+        yield
+
+
+def _hookable(module, call_args, batch_rows: set) -> bool:
+    scope = module.scope
+    if _RUNNING_MODEL.get() or inside_unit() or module.path or scope is None:
+        return False
+    if not isinstance(module.parent, Scope) or module.is_initializing() or scope.mutable:
+        return False
+    if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
+        return False
+    return any(
+        _is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
+        for x in jax.tree_util.tree_leaves(call_args)
+    )
 
 
 def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:

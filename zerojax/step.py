@@ -12,6 +12,7 @@ Three ways to trace it, by configuration:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
@@ -26,7 +27,7 @@ from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.nnx import NNX_UNMANAGED, traced_step
-from zerojax.hook import hooked_apply_fn, local_apply_fn
+from zerojax.hook import hooked_apply_fn, linen_calls_hooked, local_apply_fn
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
     DTYPES,
@@ -221,17 +222,12 @@ class ZeroStep:
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
         tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
-        if (
-            cfg.explicit_collectives
-            and not tensor_axes
-            and callable(original)
-            and hasattr(state, "replace")
-        ):
-            view = view.replace(
-                apply_fn=hooked_apply_fn(
-                    original, mesh, self.zero.comm, cfg, layout, batch_rows, calls, scale
-                )
-            )
+        explicit = cfg.explicit_collectives and not tensor_axes
+        hook = lambda apply: hooked_apply_fn(
+            apply, mesh, self.zero.comm, cfg, layout, batch_rows, calls, scale
+        )
+        if explicit and callable(original) and hasattr(state, "replace"):
+            view = view.replace(apply_fn=hook(original))
         elif managed and cfg.precision != "fp32":
             raise ZeroError(
                 "16-bit precision casts parameters where state.apply_fn uses them, which the "
@@ -243,7 +239,9 @@ class ZeroStep:
                     "call state.apply_fn in the step."
                 )
             )
-        with capture_gradients() as sink:
+        # a Linen model the step applies itself (a closure's model.apply) is hooked too
+        hooked = linen_calls_hooked(hook, batch_rows) if explicit else contextlib.nullcontext()
+        with capture_gradients() as sink, hooked:
             out = self.fn(view, batch, *extra)
         self.used_explicit_collectives = bool(calls)
         new_state, rest = _split(out, state)
@@ -359,7 +357,8 @@ class ZeroStep:
                 f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives applies "
                 "to meshes of ZeRO axes only)"
                 if tensor_axes
-                else f"{self.__name__} does not call state.apply_fn"
+                else f"{self.__name__} does not call state.apply_fn (nor a Linen model's "
+                "apply on the batch)"
             )
             warnings.warn(
                 f"zerojax: {reason}, so XLA's partitioner places every collective, ZeRO's "

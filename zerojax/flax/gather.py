@@ -73,6 +73,11 @@ def gather_context(ctx: GatherContext | None):
         _CONTEXT.reset(token)
 
 
+def inside_unit() -> bool:
+    """Whether a unit's own modules are being traced (they run on its gathered weights)."""
+    return _INSIDE.get()
+
+
 def current_context() -> GatherContext | None:
     """The context of the stage-3 step being traced, or None outside one and inside a unit."""
     return None if _INSIDE.get() else _CONTEXT.get()
