@@ -71,9 +71,12 @@ def init_fn(model, seq):
     return init
 
 
-def step(state, batch):
+def step(state, batch, apply=None):
+    """Next-token loss and one optimizer step; `apply` (default `state.apply_fn`) runs the model."""
+    apply = apply or state.apply_fn
+
     def loss_fn(params):
-        logits = state.apply_fn({"params": params}, batch[:, :-1])
+        logits = apply({"params": params}, batch[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
@@ -197,16 +200,7 @@ def test_gather_on_use_marks_a_unit_from_inside_the_model():
 
 def closure_step(model):
     """A step that applies a module captured in a closure, never touching state.apply_fn."""
-
-    def train(state, batch):
-        def loss_fn(params):
-            logits = model.apply({"params": params}, batch[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        return state.apply_gradients(grads=grads), loss
-
-    return train
+    return lambda state, batch: step(state, batch, apply=model.apply)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
