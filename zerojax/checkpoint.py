@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from zerojax.config import ZeroError
 from zerojax.optim import ZeroOptState, initial_scaler, present
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
-from zerojax.state import boundary, tree_of
+from zerojax.state import boundary
 
 # ZeroOptState fields a checkpoint keeps under "zero": the loss scaler's counters (the others
 # are derived or empty at an optimizer-step boundary: master -> params, inner -> opt_state,
@@ -147,7 +147,7 @@ class CheckpointManager:
         `force`, or after SIGTERM with save_on_preemption (then it also waits for the write).
         Returns whether a save started. Only the device-to-host copy blocks the caller."""
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeSave(canonical_tree(tree_of(state))),
+            state=ocp.args.PyTreeSave(canonical_tree(boundary(state).tree)),
             extra=ocp.args.JsonSave(dict(extra or {})),
         )
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)

@@ -257,17 +257,7 @@ OFFLOADS: tuple[tuple[str, int, dict[str, Any]], ...] = (
 
 def _zeropp_name(cfg) -> str:
     """'none', or the ZeRO++ techniques / MiCS a config turns on, e.g. 'qwZ+hpZ+qgZ'."""
-    names = [
-        n
-        for n, on in (
-            ("qwZ", cfg.quantized_weights),
-            ("hpZ", cfg.hpz_partition_size > 1),
-            ("qgZ", cfg.quantized_gradients),
-            ("MiCS", cfg.mics_shard_size > 0),
-        )
-        if on
-    ]
-    return "+".join(names) or "none"
+    return "+".join(name for name, _ in cfg.zeropp_options) or "none"
 
 
 def _offload_name(cfg) -> str:

@@ -278,16 +278,7 @@ class ZeroConfig:
                 "quantized_gradients_block must be even (int4 codes are packed two "
                 f"per byte; got {self.quantized_gradients_block})."
             )
-        used = [
-            name
-            for name, on in (
-                ("quantized_weights (qwZ)", self.quantized_weights),
-                ("hpz_partition_size (hpZ)", self.hpz_partition_size > 1),
-                ("quantized_gradients (qgZ)", self.quantized_gradients),
-                ("mics_shard_size (MiCS)", self.mics_shard_size > 0),
-            )
-            if on
-        ]
+        used = [f"{option} ({name})" for name, option in self.zeropp_options]
         if used and not self.shards_parameters:
             raise ZeroError(
                 f"{', '.join(used)} need stage 3 (got stage {self.stage}): they "
@@ -401,6 +392,20 @@ class ZeroConfig:
         return self.stage == 3
 
     @property
+    def zeropp_options(self) -> list[tuple[str, str]]:
+        """(technique, option) of each ZeRO++ technique and MiCS this config turns on."""
+        return [
+            (name, option)
+            for name, option, on in (
+                ("qwZ", "quantized_weights", self.quantized_weights),
+                ("hpZ", "hpz_partition_size", self.hpz_partition_size > 1),
+                ("qgZ", "quantized_gradients", self.quantized_gradients),
+                ("MiCS", "mics_shard_size", self.mics_shard_size > 0),
+            )
+            if on
+        ]
+
+    @property
     def accumulates_locally(self) -> bool:
         """Whether micro-batch gradients stay per device until the optimizer step."""
         return self.gradient_accumulation_steps > 1 and (
@@ -423,13 +428,9 @@ class ZeroConfig:
         """{option: default} for every option."""
         return {f.name: f.default for f in dataclasses.fields(cls)}
 
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in dataclasses.fields(cls)]
-
     def replace(self, **overrides) -> ZeroConfig:
         """A copy with `overrides`; an unknown name raises ZeroError naming the nearest one."""
-        names = self.option_names()
+        names = list(self.defaults())
         for key in overrides:
             if key not in names:
                 raise ZeroError(

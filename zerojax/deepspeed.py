@@ -159,17 +159,13 @@ def _dtype(name, value) -> str:
     return DTYPE_NAMES[value]
 
 
-def _sets(option: str, read: Callable) -> Callable:
-    """An `act` that sets `option` from the value read by `read(name, value)`."""
-    return lambda name, value: {option: read(name, value)}
+def _sets(option: str, read: Callable) -> Key:
+    """A key that sets `option` to the value read by `read(name, value)`."""
+    return Key(ACTS, option, lambda name, value: {option: read(name, value)})
 
 
 def _batch(option: str) -> Key:
-    return Key(
-        ACTS,
-        option,
-        lambda name, value: {option: AUTO if value == AUTO else _whole(name, value, low=1)},
-    )
+    return _sets(option, lambda name, value: AUTO if value == AUTO else _whole(name, value, 1))
 
 
 def _ignored(reason: str) -> Key:
@@ -193,13 +189,11 @@ XLA_COMBINES = (
     "--xla_gpu_all_gather_combine_threshold_bytes)"
 )
 FP16 = {
-    "loss_scale": Key(ACTS, "loss_scale", _sets("loss_scale", _real)),
-    "initial_scale_power": Key(ACTS, "initial_scale_power", _sets("initial_scale_power", _whole)),
-    "loss_scale_window": Key(
-        ACTS, "loss_scale_window", _sets("loss_scale_window", lambda n, v: _whole(n, v, 1))
-    ),
-    "hysteresis": Key(ACTS, "hysteresis", _sets("hysteresis", lambda n, v: _whole(n, v, 1))),
-    "min_loss_scale": Key(ACTS, "min_loss_scale", _sets("min_loss_scale", _real)),
+    "loss_scale": _sets("loss_scale", _real),
+    "initial_scale_power": _sets("initial_scale_power", _whole),
+    "loss_scale_window": _sets("loss_scale_window", lambda n, v: _whole(n, v, 1)),
+    "hysteresis": _sets("hysteresis", lambda n, v: _whole(n, v, 1)),
+    "min_loss_scale": _sets("min_loss_scale", _real),
     "consecutive_hysteresis": _off_only(
         "not implemented: zerojax's hysteresis counts all "
         "overflows since the last drop, DeepSpeed's default"
@@ -243,10 +237,8 @@ _GATHER_ON_SAVE = _ignored(
     "checkpoint, no gather at save time"
 )
 ZERO_OPTIMIZATION = {
-    "stage": Key(ACTS, "stage", _sets("stage", _whole)),
-    "stage3_param_persistence_threshold": Key(
-        ACTS, "persistence_threshold", _sets("persistence_threshold", _whole)
-    ),
+    "stage": _sets("stage", _whole),
+    "stage3_param_persistence_threshold": _sets("persistence_threshold", _whole),
     "stage3_prefetch_bucket_size": Key(
         ACTS,
         "prefetch (0 -> 0; otherwise one layer ahead)",
@@ -284,16 +276,10 @@ ZERO_OPTIMIZATION = {
     "stage3_gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
     "stage3_gather_fp16_weights_on_model_save": _GATHER_ON_SAVE,
     "gather_16bit_weights_on_model_save": _GATHER_ON_SAVE,
-    "zero_hpz_partition_size": Key(ACTS, "hpz_partition_size", _sets("hpz_partition_size", _whole)),
-    "zero_quantized_weights": Key(ACTS, "quantized_weights", _sets("quantized_weights", _flag)),
-    "zero_quantized_gradients": Key(
-        ACTS, "quantized_gradients", _sets("quantized_gradients", _flag)
-    ),
-    "mics_shard_size": Key(
-        ACTS,
-        "mics_shard_size",
-        lambda n, v: {"mics_shard_size": -1 if v == -1 else _whole(n, v, low=1)},
-    ),
+    "zero_hpz_partition_size": _sets("hpz_partition_size", _whole),
+    "zero_quantized_weights": _sets("quantized_weights", _flag),
+    "zero_quantized_gradients": _sets("quantized_gradients", _flag),
+    "mics_shard_size": _sets("mics_shard_size", lambda n, v: -1 if v == -1 else _whole(n, v, 1)),
     "mics_hierarchical_params_gather": _ignored(
         "MiCS gathers stay inside the 'local' axis; XLA picks the algorithm"
     ),
@@ -309,12 +295,8 @@ TOP_LEVEL = {
     "train_batch_size": _batch("train_batch_size"),
     "train_micro_batch_size_per_gpu": _batch("micro_batch_size"),
     "gradient_accumulation_steps": _batch("gradient_accumulation_steps"),
-    "gradient_clipping": Key(
-        ACTS,
-        "gradient_clipping",
-        lambda n, v: {"gradient_clipping": 0.0 if v == AUTO else _real(n, v)},
-    ),
-    "communication_data_type": Key(ACTS, "grad_reduce_dtype", _sets("grad_reduce_dtype", _dtype)),
+    "gradient_clipping": _sets("gradient_clipping", lambda n, v: 0.0 if v == AUTO else _real(n, v)),
+    "communication_data_type": _sets("grad_reduce_dtype", _dtype),
     "data_types": Key(ACTS, "grad_accum_dtype"),
     "wall_clock_breakdown": _ignored("zero.report(...) and the JAX profiler show where time goes"),
     "memory_breakdown": _ignored("zero.report(...) shows memory by category"),

@@ -83,8 +83,9 @@ class Description:
         return "\n".join(lines) + "\n"
 
 
-def describe(zero, state, tolerance: float | None = None) -> Description:
-    """The `Description` of `state` (arrays or ShapeDtypeStructs, placed or not) under `zero`."""
+def leaf_rows(zero, state) -> list[LeafRow]:
+    """A `LeafRow` per leaf of `state` (arrays or ShapeDtypeStructs, placed or not): its own
+    sharding when it has one, else the one `zero` gives it."""
     shardings = jax.tree_util.tree_leaves(zero.state_shardings(state))
     rows = []
     for (path, leaf), want in zip(
@@ -109,7 +110,12 @@ def describe(zero, state, tolerance: float | None = None) -> Description:
                 replicated=split and local == shape,
             )
         )
-    out = Description(tuple(rows), zero.mesh.size, zero.config.stage)
+    return rows
+
+
+def describe(zero, state, tolerance: float | None = None) -> Description:
+    """The `Description` of `state` under `zero`, with the replicated-bytes guard."""
+    out = Description(tuple(leaf_rows(zero, state)), zero.mesh.size, zero.config.stage)
     fraction = out.replicated_fraction
     names = ", ".join(
         f"{r.path} {r.shape} ({r.total_bytes:,} bytes)" for r in out.largest_replicated()

@@ -28,7 +28,7 @@ from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
 from zerojax.optim import prepare_state
 from zerojax.rules import LeafPlan, StateLayout, path_str, plan_state
-from zerojax.state import Boundary, boundary, tree_of
+from zerojax.state import Boundary, boundary
 from zerojax.step import ZeroStep
 
 if TYPE_CHECKING:
@@ -180,9 +180,6 @@ class ZeroShard:
             state = jax.eval_shape(init_fn, *args, **kwargs)
             return boundary(state).rebuild(self.abstract(state))
 
-    def batch_sharding(self, leaf) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
-
     def place_batch(self, batch: PyTree) -> PyTree:
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
         multi-process run each process passes its own slice of the global batch."""
@@ -202,15 +199,12 @@ class ZeroShard:
         def place(path, leaf):
             if not hasattr(leaf, "shape"):
                 leaf = np.asarray(leaf)
-            sharding = self.batch_sharding(leaf)
+            sharding = NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
             if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
                 return leaf
             abstract = isinstance(leaf, jax.ShapeDtypeStruct)  # always the global batch
-            rows = (
-                np.shape(leaf)[0] * (jax.process_count() if multiprocess and not abstract else 1)
-                if np.ndim(leaf)
-                else 0
-            )
+            rows = np.shape(leaf)[0] if np.ndim(leaf) else 0
+            rows *= jax.process_count() if multiprocess and not abstract else 1
             micro = self.config.micro_batch_size
             if micro and np.ndim(leaf) and rows != micro * self.axis_size:
                 raise ZeroError(
@@ -257,7 +251,7 @@ class ZeroShard:
         raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
 
-        out = describe(self, tree_of(state), tolerance)
+        out = describe(self, boundary(state).tree, tolerance)
         if show:
             print(out, end="")
         return out

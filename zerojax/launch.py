@@ -118,15 +118,8 @@ def launch(
     coordinator = f"127.0.0.1:{port or free_port()}"
     procs = []
     for rank in range(num_processes):
-        env = dict(
-            os.environ,
-            **{
-                ENV_COORDINATOR: coordinator,
-                ENV_NUM: str(num_processes),
-                ENV_ID: str(rank),
-                "PYTHONUNBUFFERED": "1",
-            },
-        )
+        env = {**os.environ, ENV_COORDINATOR: coordinator, ENV_NUM: str(num_processes)}
+        env.update({ENV_ID: str(rank), "PYTHONUNBUFFERED": "1"})
         if devices_per_process:
             flags = [
                 f
@@ -156,24 +149,22 @@ def launch(
         while True:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                for t in threads:
-                    t.join(timeout=5)
-                print(
-                    f"zerojax launch: process {rank} exited with code {code}; stopped the others.",
-                    file=sys.stderr,
-                )
-                return code
-            if all(c == 0 for c in codes):
-                for t in threads:
-                    t.join(timeout=5)
-                return 0
+            if failed or all(c == 0 for c in codes):
+                break
             time.sleep(0.2)
     except KeyboardInterrupt:
-        for p in procs:
+        failed = [(-1, 130)]
+    for p in procs:
+        if p.poll() is None:
             p.kill()
-        return 130
+    for t in threads:
+        t.join(timeout=5)
+    if not failed:
+        return 0
+    rank, code = failed[0]
+    if rank >= 0:
+        print(
+            f"zerojax launch: process {rank} exited with code {code}; stopped the others.",
+            file=sys.stderr,
+        )
+    return code

@@ -25,6 +25,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax import xla_flags
+from zerojax.describe import leaf_rows
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS, stage_splits
 from zerojax.state import split_call
 
@@ -244,14 +245,13 @@ class Report:
             f"  {'temporaries':<28}{mb(self.temp_bytes)}",
             f"  {'outputs (aliased)':<28}{mb(self.output_bytes)} ({mb(self.alias_bytes).strip()})",
             f"  {'peak (arguments + temp)':<28}{mb(self.peak_bytes)}",
-            *(
-                [
-                    f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
-                    f"bound {mb(self.peak_bound_bytes).strip()})"
-                ]
-                if self.streamed_bytes
-                else []
-            ),
+        ]
+        if self.streamed_bytes:
+            lines.append(
+                f"  {'+ offloaded state streamed':<28}{mb(self.streamed_bytes)} (peak "
+                f"bound {mb(self.peak_bound_bytes).strip()})"
+            )
+        lines += [
             "communication per optimizer step (HLO after SPMD partitioning):",
             f"  {'collective':<20}{'dtype':<7}{'count':>6}{'buffer MiB':>12}{'sent MiB':>11}"
             f"{'cross-node':>11}",
@@ -284,22 +284,15 @@ def _category(plan) -> str:
     return _OPT_FIELDS.get(field, "optimizer state")
 
 
-def resident_bytes(zero, state, device=None):
+def resident_bytes(zero, state):
     """(device bytes by category, host bytes by category, bytes kept replicated) of `state`'s
-    shards belonging to `device` (for an abstract state from `zero.eval_shape`, the shard sizes
-    its shardings give), split by each leaf's `sharding.memory_kind`."""
-    device = device or zero.mesh.devices.flat[0]
+    shards on each device (`describe.leaf_rows`), split by each leaf's memory kind."""
     by_cat, on_host = collections.Counter(), collections.Counter()
     kept = 0
-    for plan, leaf in zip(zero.plan(state), jax.tree_util.tree_leaves(state), strict=True):
-        if isinstance(leaf, jax.ShapeDtypeStruct):  # abstract state: every device holds a shard
-            nbytes = math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-        else:
-            nbytes = sum(s.data.nbytes for s in leaf.addressable_shards if s.device == device)
-        host = getattr(leaf.sharding, "memory_kind", None) == HOST
-        (on_host if host else by_cat)[_category(plan)] += nbytes
+    for plan, row in zip(zero.plan(state), leaf_rows(zero, state), strict=True):
+        (on_host if row.memory == HOST else by_cat)[_category(plan)] += row.bytes_per_device
         if stage_splits(zero.config, plan.category) and plan.reason.startswith("replicated"):
-            kept += nbytes
+            kept += row.bytes_per_device
     return dict(by_cat), dict(on_host), kept
 
 

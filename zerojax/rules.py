@@ -126,9 +126,8 @@ def split_spec(
     goes on a dimension they leave free, else joins one of theirs when the split divides."""
     ndim = len(shape)
     tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
-    local = [
-        size // div for size, div in zip(shape, tensor.divisors, strict=True)
-    ]  # sizes after TP
+    # the sizes each tensor-parallel shard has
+    local = [size // div for size, div in zip(shape, tensor.divisors, strict=True)]
     if user_rules:
         for pattern, dim in cfg.rules:
             if re.search(pattern, path):

@@ -61,11 +61,6 @@ def boundary(x) -> Boundary:
     return Boundary(layout.state, rebuild, layout)
 
 
-def tree_of(x):
-    """The pytree the engine sees for the user state `x`."""
-    return boundary(x).tree
-
-
 def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:
     """(the state's boundary, batch, extra) of a step call: `step(state, batch, *extra)` for a
     pytree state, `step(model, optimizer, ..., batch, *extra)` for NNX objects."""

@@ -79,18 +79,14 @@ class ZeroStep:
         check_placed(state, shardings)
         out = jitted(state, batch, *extra)
         self._warn_if_not_hooked()
-        new_state = out[0] if isinstance(out, tuple) else out
-        k = self.zero.config.gradient_accumulation_steps
-        if k > 1:
-            self._last_micro = weakref.ref(new_state.opt_state.micro)
-            self._next_micro = (micro_index + 1) % k
-        if self.zero.config.precision == "fp16" and not self.zero.config.loss_scale:
-            self._min_scale_flag = (
-                new_state.opt_state.overflow_at_min_scale,
-                new_state.opt_state.scale,
-            )
-        if self.zero.config.on_nonfinite != "off" and not self._is_micro(micro_index):
-            opt = new_state.opt_state
+        new_state, cfg = out[0] if isinstance(out, tuple) else out, self.zero.config
+        opt = getattr(new_state, "opt_state", None)  # kept below: its scalars, never the state
+        if cfg.gradient_accumulation_steps > 1:
+            self._last_micro = weakref.ref(opt.micro)
+            self._next_micro = (micro_index + 1) % cfg.gradient_accumulation_steps
+        if cfg.precision == "fp16" and not cfg.loss_scale:
+            self._min_scale_flag = opt.overflow_at_min_scale
+        if cfg.on_nonfinite != "off" and not self._is_micro(micro_index):
             self._nonfinite_flag = (opt.last_skipped, new_state.step, opt.skipped)
         return out
 
@@ -150,7 +146,7 @@ class ZeroStep:
         return micro_index < self.zero.config.gradient_accumulation_steps - 1
 
     def _raise_if_scale_exhausted(self):
-        if self._min_scale_flag is not None and bool(self._min_scale_flag[0]):
+        if self._min_scale_flag is not None and bool(self._min_scale_flag):
             raise ZeroError(
                 f"fp16 gradients still overflow with the loss scale at min_loss_scale="
                 f"{self.zero.config.min_loss_scale}: training cannot proceed (the last state "
@@ -209,9 +205,7 @@ class ZeroStep:
             out = self._traced_local(layout, shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
-        if cfg.precision != "fp32" and not micro:
-            out = _cast_before_gather(out, state, shardings)
-        return _constrain_new_state(out, state, shardings)
+        return _finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
 
     def _traced_global(self, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg, mesh = self.zero.config, self.zero.mesh
@@ -444,23 +438,18 @@ def _with_metrics(new_state, rest):
     return (new_state, *rest)
 
 
-def _cast_before_gather(out, state, shardings):
-    """New 16-bit params laid out like their fp32 master first, so that stages 1-2 all-gather
-    them in 16 bits (XLA would otherwise gather the fp32 master and cast after)."""
+def _finish(out, state, shardings, cast: bool):
+    """Pin the returned state (alone, or first of a tuple) to the storage shardings; with
+    `cast`, new 16-bit params are laid out like their fp32 master first, so that stages 1-2
+    all-gather them in 16 bits (XLA would otherwise gather the fp32 master and cast after)."""
     new, rest = _split(out, state)
-    new = new.replace(
-        params=jax.lax.with_sharding_constraint(new.params, shardings.opt_state.master)
-    )
-    return new if rest is None else (new, *rest)
-
-
-def _constrain_new_state(out, state, shardings):
-    """Pin the returned state (alone, or first of a tuple) to the storage shardings."""
-    new, rest = _split(out, state)
-    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):
+    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):  # type: ignore[operator]
         raise ZeroError(
             "the state a zerojax step returns must have the structure of the state "
             f"it received ({type(state).__name__}); did the step add or drop fields?"
         )
+    if cast:
+        master = shardings.opt_state.master
+        new = new.replace(params=jax.lax.with_sharding_constraint(new.params, master))
     new = to_storage(new, shardings)
     return new if rest is None else (new, *rest)
