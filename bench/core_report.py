@@ -53,7 +53,7 @@ def main(argv=None):
 
     rows = []
     for stage in range(4):
-        zero = zj.zero_shard(stage=stage)
+        zero = zj.zero_shard(stage=stage, units=())  # the GPT as measured: no units
         state = zero.init(init_fn, jax.random.key(0))
         rep = zero.report(zero(train_step), state, batch)
         psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))

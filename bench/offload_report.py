@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.models.gpt import make_init, train_step  # noqa: E402
+from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -47,7 +47,7 @@ OPTIONS = {
 
 
 def report(model_cfg, batch_rows=N, **options):
-    zero = zj.zero_shard(**options)
+    zero = zj.zero_shard(units=lm_units(model_cfg), **options)
     state = zero.eval_shape(make_init(LM(model_cfg), optax.adam(1e-3)), jax.random.key(0))
     batch = jax.ShapeDtypeStruct((batch_rows, model_cfg.seq_len + 1), jnp.int32)
     return zero.report(zero(train_step), state, batch), state
@@ -87,7 +87,7 @@ def activations() -> dict:
     out = {}
     for stage in (2, 3):
         for on in (False, True):
-            zero = zj.zero_shard(stage=stage, offload_activations=on)
+            zero = zj.zero_shard(stage=stage, offload_activations=on, units=lm_units(cfg))
             state = zero.eval_shape(make_init(LM(cfg), optax.adam(1e-3)), jax.random.key(0))
             batch = zero.place_batch(jax.ShapeDtypeStruct((4 * N, cfg.seq_len + 1), jnp.int32))
             jitted, _, batch = zero(train_step)._prepare(state, batch, (), False)
@@ -110,7 +110,7 @@ def step_times(steps: int = 12) -> dict:
     }
     states, steps_fn, times = {}, {}, {k: [] for k in runs}
     for name, options in runs.items():
-        zero = zj.zero_shard(**options)
+        zero = zj.zero_shard(units=lm_units(cfg), **options)
         states[name], steps_fn[name] = zero.init(init_fn, jax.random.key(0)), zero(train_step)
         states[name], _ = steps_fn[name](states[name], batch)  # compile
     for _ in range(steps):  # interleaved: drift hits every run alike

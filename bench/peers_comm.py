@@ -28,7 +28,7 @@ import optax  # noqa: E402
 from benchlib import write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.models.gpt import make_init, train_step  # noqa: E402
+from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 RING = 7 / 8
@@ -55,7 +55,11 @@ def main():
     rows = {}
     for name, (options, formula, formula_cross) in VARIANTS.items():
         zero = zj.zero_shard(
-            precision="bf16", grad_reduce_dtype="bf16", mesh=zj.make_mesh(local=4), **options
+            precision="bf16",
+            grad_reduce_dtype="bf16",
+            mesh=zj.make_mesh(local=4),
+            units=lm_units(cfg),
+            **options,
         )
         state = zero.eval_shape(init_fn, jax.random.key(0))
         psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))

@@ -31,7 +31,7 @@ import optax  # noqa: E402
 from benchlib import write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.models.gpt import make_init, train_step  # noqa: E402
+from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 N = 8
@@ -73,7 +73,7 @@ def measure(preset: str) -> list[dict]:
     batch = jax.ShapeDtypeStruct((N, cfg.seq_len + 1), jnp.int32)
     rows = []
     for name, options in CONTENDERS.items():
-        zero = zj.zero_shard(**{"precision": "bf16", **options})
+        zero = zj.zero_shard(**{"precision": "bf16", "units": lm_units(cfg), **options})
         state = zero.eval_shape(init_fn, jax.random.key(0))
         leaves = jax.tree_util.tree_leaves(state.params)
         psi, largest = sum(x.size for x in leaves), max(x.size for x in leaves)

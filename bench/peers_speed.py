@@ -41,7 +41,7 @@ def jax_worker(options: dict, steps: int) -> dict:
     import optax
 
     import zerojax as zj
-    from zerojax.models.gpt import make_init, train_step
+    from zerojax.models.gpt import lm_units, make_init, train_step
     from zerojax.models.lm import LM, LMConfig
 
     cfg = LMConfig(
@@ -53,7 +53,7 @@ def jax_worker(options: dict, steps: int) -> dict:
         seq_len=SHAPE["seq"],
         tie_embeddings=False,
     )
-    zero = zj.zero_shard(**options)
+    zero = zj.zero_shard(units=lm_units(cfg), **options)
     state = zero.init(make_init(LM(cfg), optax.adamw(1e-3)), jax.random.key(0))
     step = zero(train_step)
     rng = np.random.default_rng(0)

@@ -66,7 +66,7 @@ def main(argv=None):
     rows = []
     for precision in ("fp32", "bf16"):
         for stage in range(4):
-            zero = zj.zero_shard(stage=stage, precision=precision)
+            zero = zj.zero_shard(stage=stage, precision=precision, units=())
             state = zero.init(init_fn, jax.random.key(0))
             rep = zero.report(zero(train_step), state, windows[0])
             psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
@@ -110,7 +110,11 @@ def main(argv=None):
         sent = []
         for k in (1, 2, 4, 8):
             zero = zj.zero_shard(
-                stage=stage, gradient_accumulation_steps=k, accumulate=mode, gradient_clipping=1e9
+                stage=stage,
+                gradient_accumulation_steps=k,
+                accumulate=mode,
+                gradient_clipping=1e9,
+                units=(),
             )  # same managed path for k = 1
             state = zero.init(init_fn, jax.random.key(0))
             rep = zero.report(zero(train_step), state, windows[0][:8])
@@ -123,7 +127,7 @@ def main(argv=None):
         print("\n3. loss, stage 3, batch 16, stdlib bytes: fp32 against bf16 (fp32 master)")
         curves = {}
         for precision in ("fp32", "bf16"):
-            zero = zj.zero_shard(stage=3, precision=precision)
+            zero = zj.zero_shard(stage=3, precision=precision, units=())
             state = zero.init(init_fn, jax.random.key(0))
             step = zero(train_step)
             curves[precision] = []

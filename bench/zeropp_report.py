@@ -12,7 +12,7 @@
    bytes). ZeRO-3 sends about 3 x (7/8) M per device (gather in forward, again in backward,
    reduce-scatter; ring algorithms send (g-1)/g of the buffer). ZeRO++'s published target:
    cross-node 3M -> 0.75M, i.e. a ratio of 0.25.
-2. hpZ's memory: the secondary copy, 2 bytes x (parameters of the gather_on_use layers) /
+2. hpZ's memory: the secondary copy, 2 bytes x (parameters of the stage-3 units) /
    local size per device, against the growth of the compiled temporaries.
 3. --converge: examples/pretrain_lm.py for 300 steps with configs/zero3_bf16.json and with
    configs/zero3_zeropp.json (the same plus qwZ, hpZ 4 and qgZ int4): final train loss
@@ -37,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.models.gpt import make_init, train_step  # noqa: E402
+from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS, param_count  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -63,6 +63,7 @@ def measure(preset: str = "small", variants: dict = VARIANTS) -> dict:
             precision="bf16",
             grad_reduce_dtype="bf16",
             mesh=zj.make_mesh(local=4),
+            units=lm_units(cfg),
             **options,
         )
         state = zero.eval_shape(init_fn, jax.random.key(0))
@@ -79,7 +80,7 @@ def measure(preset: str = "small", variants: dict = VARIANTS) -> dict:
 
 
 def layer_params(preset: str) -> int:
-    """Parameters of the gather_on_use layers (the scanned 'layers' stack)."""
+    """Parameters of the stage-3 units (the scanned 'layers' stack)."""
     cfg = LM_PRESETS[preset]
     shapes = jax.eval_shape(
         LM(cfg).init, jax.random.key(0), jnp.zeros((1, cfg.seq_len), jnp.int32)

@@ -96,7 +96,7 @@ def plan(args) -> int:
     import optax
 
     import zerojax as zj
-    from zerojax.models.gpt import make_init, train_step
+    from zerojax.models.gpt import lm_units, make_init, train_step
     from zerojax.models.lm import LM, LM_PRESETS
 
     if args.preset not in LM_PRESETS:
@@ -132,6 +132,7 @@ def plan(args) -> int:
         os.makedirs(args.dump_hlo, exist_ok=True)
     rows = []
     for cfg_z in configs:
+        cfg_z = cfg_z.replace(units=lm_units(cfg))  # attention and MLP apart, unless remat
         group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
         zero = zj.zero_shard(
             config=cfg_z,

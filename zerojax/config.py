@@ -64,7 +64,8 @@ class ZeroConfig:
     against module class names or paths ('Block', r'layers_\d+/mlp'); 'auto': the repeated
     blocks (each scanned body, each of two or more same-class siblings), as FSDP2 wraps each
     transformer block; () only the classes marked with `zj.flax.gather_on_use`. Parameters of
-    no unit are gathered once at the start of the step and kept for backward."""
+    no unit are gathered once at the start of the step and kept for backward. Stages 0-2
+    gather nothing, so there it changes nothing (like prefetch)."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around the Linen model
@@ -256,11 +257,6 @@ class ZeroConfig:
                 re.compile(pattern)
             except re.error as e:
                 raise ZeroError(f"units regex {pattern!r} does not compile: {e}.") from None
-        if patterns and not self.shards_parameters:
-            raise ZeroError(
-                f"units name the modules stage 3 gathers on use (got stage {self.stage}): "
-                "set stage=3, or leave units at its default 'auto'."
-            )
 
     def _check_zeropp_options(self):
         for name, low in (

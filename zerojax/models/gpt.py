@@ -66,6 +66,13 @@ class GPT(nn.Module):
         return nn.Dense(cfg.vocab, name="head")(nn.LayerNorm()(x))
 
 
+def lm_units(cfg):
+    """How the benchmarks and `zerojax plan` name the example LM's stage-3 units, from outside
+    the model: attention and MLP apart (as DeepSpeed gathers each submodule), or with remat the
+    whole rematerialised block (`units="auto"` takes it: remat makes it a lifted body)."""
+    return "auto" if cfg.remat else ("Attention", "MLP")
+
+
 def make_init(model, tx):
     """`init_fn(key) -> TrainState` for `model` (a GPT or LM: any module with `cfg.seq_len`)
     and the optax transformation `tx`."""
