@@ -13,7 +13,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax as zj
-from tests.common import assert_trees_close
+from tests.common import assert_trees_close, slow
 
 
 class Block(nn.Module):
@@ -107,8 +107,11 @@ def test_units_from_outside_bound_the_peak_per_layer(scan):
     assert slope["no units"] > 1.5 * slope["units Block"], slope
 
 
-@pytest.mark.parametrize("units", ["Block", "auto", r"block_\d+|blocks"])
-@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+@pytest.mark.parametrize(
+    "scan, units",
+    [(True, "Block"), (False, "auto")]
+    + slow((False, "Block"), (True, "auto"), (True, r"block_\d+|blocks"), (False, r"block_\d+")),
+)
 def test_units_from_outside_match_single_device_training(scan, units):
     model, seq = Transformer(2, scan), 16
     data = [
