@@ -131,16 +131,13 @@ class ZeroShard:
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(state))
         tree = read_linen_boxes(user.tree, self.mesh, self.config)[0]
         mesh_devices = set(self.mesh.devices.flat)
-
-        def onto_mesh(x, sharding):  # a leaf committed elsewhere (e.g. built on one device)
-            elsewhere = isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
-            return jax.device_put(x, sharding.with_memory_kind("device")) if elsewhere else x
-
-        tree = jax.tree_util.tree_map(
-            onto_mesh,
-            tree,
-            self._layout(jax.eval_shape(lambda t: t, tree), user).shardings(self.mesh),
-        )
+        elsewhere = lambda x: isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
+        if any(elsewhere(x) for x in jax.tree_util.tree_leaves(tree)):  # e.g. built on one device
+            tree = jax.tree_util.tree_map(
+                lambda x, s: jax.device_put(x, s.with_memory_kind("device")) if elsewhere(x) else x,
+                tree,
+                self._layout(jax.eval_shape(lambda t: t, tree), user).shardings(self.mesh),
+            )
         placed = jax.jit(self.manage, out_shardings=shardings)(tree)
         self._check_logical_rules_used(self._declared(user))
         return user.rebuild(placed)

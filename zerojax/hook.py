@@ -240,7 +240,7 @@ def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
         jax.eval_shape(
             run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
         )
-    return select_units(found.calls, cfg.units)
+    return select_units(found, cfg.units)
 
 
 def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):

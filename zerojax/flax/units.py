@@ -13,6 +13,7 @@ same-class siblings), as FSDP2 users wrap each transformer block. Classes marked
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 import warnings
@@ -47,14 +48,7 @@ class ModuleCall:
     blocker: str  # why it cannot be a unit ('' if it can)
 
 
-@dataclasses.dataclass
-class Discovery:
-    """The `ModuleCall`s of one abstract trace of the model."""
-
-    calls: dict = dataclasses.field(default_factory=dict)
-
-
-_DISCOVERY: list = []  # the discovery in progress (innermost last)
+_DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (innermost last)
 
 
 def intercept(next_fun, args, kwargs, context):
@@ -65,8 +59,8 @@ def intercept(next_fun, args, kwargs, context):
         return next_fun(*args, **kwargs)
     path = "/".join(module.path)
     if _DISCOVERY:
-        if path not in _DISCOVERY[-1].calls:
-            _DISCOVERY[-1].calls[path] = _record(module, path)
+        if path not in _DISCOVERY[-1]:
+            _DISCOVERY[-1][path] = _record(module, path)
         return next_fun(*args, **kwargs)
     ctx = current_context()
     if ctx is None or path not in ctx.units:
@@ -95,18 +89,15 @@ def _record(module, path) -> ModuleCall:
     )
 
 
-class discovering:
-    """Context in which a traced model's module calls are recorded (`.calls`)."""
-
-    def __enter__(self) -> Discovery:
-        self.found = Discovery()
-        _DISCOVERY.append(self.found)
-        self._intercepting = nn.intercept_methods(intercept)
-        self._intercepting.__enter__()
-        return self.found
-
-    def __exit__(self, *exc):
-        self._intercepting.__exit__(*exc)
+@contextlib.contextmanager
+def discovering():
+    """Inside, a traced model's module calls are recorded in the dict it yields."""
+    calls: dict = {}
+    _DISCOVERY.append(calls)
+    try:
+        with nn.intercept_methods(intercept):
+            yield calls
+    finally:
         _DISCOVERY.pop()
 
 
