@@ -196,7 +196,7 @@ def build():
     return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+@pytest.mark.filterwarnings("ignore:zerojax. calling the NNX model changes its Rng")
 def test_every_public_function_takes_nnx_objects_with_rng_streams(tmp_path):
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer = zero.init(build)

@@ -29,7 +29,6 @@ def arrays(tree):
     return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_nnx_stage_matches_single_device(stage):
     ref_model, ref_opt, ref_losses = reference()
@@ -47,7 +46,7 @@ def test_nnx_stage_matches_single_device(stage):
     assert int(optimizer.step[...]) == len(DATA)
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
+@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
 def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
     class MLP(nnx.Module):
         def __init__(self, rngs):
@@ -94,7 +93,6 @@ def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
 def test_nnx_objects_built_elsewhere_are_placed_by_shard_or_refused():
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer = make_objects(ADAMW())
@@ -172,7 +170,6 @@ def test_plain_pytree_states_match_single_device(kind, stage):
     assert kernel.sharding.spec == (P(None, "data") if stage == 3 else P())
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
 def test_nnx_checkpoint_restores_into_another_layout(tmp_path):
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer = zero.init(lambda: make_objects(ADAMW()))
@@ -213,7 +210,6 @@ def test_tuple_state_checkpoint_roundtrip(tmp_path):
     assert any(leaf["path"].startswith("params/") for leaf in info(tmp_path / "ckpt")["leaves"])
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. NNX steps leave")
 def test_nnx_report_counts_the_sharded_state():
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer = zero.init(lambda: make_objects(ADAMW()))

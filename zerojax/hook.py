@@ -20,6 +20,7 @@ import warnings
 import flax.linen as nn
 import jax
 import numpy as np
+from flax import nnx
 from flax.core.scope import Scope
 from jax.sharding import PartitionSpec as P
 
@@ -28,6 +29,7 @@ from zerojax.comm.hierarchy import Comm
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import GatherContext, gather_context, inside_unit
+from zerojax.flax.nnx_calls import routed, split_params, with_params
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
@@ -215,6 +217,71 @@ def linen_calls_hooked(hook, batch_rows: set):
         yield
 
 
+@contextlib.contextmanager
+def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple, reasons: list):
+    """Inside, a call on the batch of an NNX module the step received (`objs`, merged for this
+    step; `prefixes`: the keys their parameters sit under in the state) runs through
+    `hook(apply)`, the per-device `hooked_apply_fn`, unless the call changes the module's other
+    NNX state (RNG streams, batch statistics): then it runs as is, and `reasons` says why."""
+
+    def handle(module, call, prefix: str, args, kwargs):
+        if _RUNNING_MODEL.get() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
+            return call(module, *args, **kwargs)
+        graphdef, params, rest = split_params(module)
+        changed = _changes_state(module, call, args, kwargs)
+        if changed:
+            reasons.append(f"calling the NNX model changes its {', '.join(changed)} state")
+            return call(module, *args, **kwargs)
+
+        def apply(variables, *a, **k):
+            pure = variables[PARAMS]
+            for key in prefix.split("/") if prefix else ():
+                pure = pure[key]
+            return call(nnx.merge(graphdef, with_params(params, pure), rest), *a, **k)
+
+        pure = nnx.to_pure_dict(params)
+        for key in reversed(prefix.split("/") if prefix else ()):
+            pure = {key: pure}
+        return hook(apply)({PARAMS: pure}, *args, **kwargs)
+
+    with routed(objs, prefixes, handle):
+        yield
+
+
+def _changes_state(module, call, args, kwargs) -> list:
+    """The types of the NNX variables other than nnx.Param that calling `module` writes (found
+    by one abstract trace of the call)."""
+    graphdef, params, rest = split_params(module)
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(flat) if _is_array(x)]
+    written: list = []
+
+    def probe(params, rest, values):  # the Variables here are eval_shape's own copies
+        a, k = _with_values(flat, arrays, values, tree)
+        before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
+        copy = nnx.merge(graphdef, params, rest)
+        token = _RUNNING_MODEL.set(True)
+        try:
+            call(copy, *a, **k)
+        finally:
+            _RUNNING_MODEL.reset(token)
+        for path, var in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param))):
+            if path not in before or var.get_value() is not before[path]:
+                written.append(type(var).__name__)
+
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    jax.eval_shape(probe, params, rest, [shape(flat[i]) for i in arrays])
+    return sorted(set(written))
+
+
+def _on_batch(call_args, batch_rows: set) -> bool:
+    """Whether an array argument of a call has the batch's leading dimension."""
+    return any(
+        _is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
+        for x in jax.tree_util.tree_leaves(call_args)
+    )
+
+
 def _hookable(module, call_args, batch_rows: set) -> bool:
     scope = module.scope
     if _RUNNING_MODEL.get() or inside_unit() or module.path or scope is None:
@@ -223,10 +290,7 @@ def _hookable(module, call_args, batch_rows: set) -> bool:
         return False
     if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
         return False
-    return any(
-        _is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
-        for x in jax.tree_util.tree_leaves(call_args)
-    )
+    return _on_batch(call_args, batch_rows)
 
 
 def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:

@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
-from zerojax.flax.nnx import NNX_UNMANAGED, traced_step
-from zerojax.hook import hooked_apply_fn, linen_calls_hooked, local_apply_fn
+from zerojax.flax.nnx import NNX_UNMANAGED
+from zerojax.hook import hooked_apply_fn, linen_calls_hooked, local_apply_fn, nnx_calls_hooked
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
     DTYPES,
@@ -53,6 +53,7 @@ class ZeroStep:
         self._jitted = {}
         self.used_explicit_collectives = None  # known after the first trace
         self._warned = False
+        self._fallback_reasons: list = []  # why a traced model call kept XLA's placement
         # the micro-batch position of the state the last call returned, known without reading
         # the device: a weak reference to that state's counter (never to the state itself)
         self._last_micro: weakref.ref | None = None
@@ -69,6 +70,7 @@ class ZeroStep:
             jitted, shardings, batch = self._prepare(call, batch, extra, False)
             check_placed(call.tree, shardings)
             new_tree, out = jitted(call.tree, batch, *extra)
+            self._warn_if_not_hooked()
             call.objects.update(args[: len(args) - len(extra) - 1], new_tree)
             return out
         state = call.tree
@@ -168,30 +170,16 @@ class ZeroStep:
         if key not in self._jitted:
             layout = self.zero.layout(tree)
             shardings = layout.shardings(self.zero.mesh)
+            rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
             if objects is None:
-                rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
                 traced = functools.partial(self._traced, layout, shardings, rows, micro)
             else:
-                self._check_objects_supported()
-                traced = traced_step(self.fn, objects, shardings)
+                if self.zero.config.manages_update:
+                    raise ZeroError(NNX_UNMANAGED)
+                traced = functools.partial(self._traced_objects, objects, layout, shardings, rows)
             donate = (0,) if self.zero.config.donate else ()
             self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings)
         return (*self._jitted[key], batch)
-
-    def _check_objects_supported(self):
-        """NNX objects: zerojax does not manage their update, and XLA places the collectives."""
-        cfg = self.zero.config
-        if cfg.manages_update:
-            raise ZeroError(NNX_UNMANAGED)
-        if cfg.explicit_collectives and cfg.shards_gradients and not self._jitted:
-            warnings.warn(
-                "zerojax: NNX steps leave every collective to XLA's partitioner (the "
-                "per-device apply_fn hook and stage-3 units are Linen's): the state is "
-                f"stored as stage {cfg.stage} says, but on CPU gradients are all-reduced, "
-                "not reduce-scattered.",
-                category=ZeroWarning,
-                stacklevel=4,
-            )
 
     # ---- tracing -----------------------------------------------------------------------------
     def _traced(self, layout, shardings, batch_rows, micro, state, batch, *extra):
@@ -207,8 +195,35 @@ class ZeroStep:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
         return _finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
 
+    def _traced_objects(self, objects, layout, shardings, batch_rows, state, batch, *extra):
+        """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
+        state; the objects' calls on the batch run through the per-device hook."""
+        state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
+        objs, calls, self._fallback_reasons = objects.merge(state), [], []
+        hooked = contextlib.nullcontext()
+        if self._explicit():
+            hook = self._hook(layout, batch_rows, calls, None)
+            hooked = nnx_calls_hooked(
+                hook, batch_rows, objs, objects.prefixes, self._fallback_reasons
+            )
+        with hooked:
+            out = self.fn(*objs, batch, *extra)
+        self.used_explicit_collectives = bool(calls)
+        return to_storage(objects.to_state(objs), shardings), out
+
+    def _explicit(self) -> bool:
+        """Whether the step places ZeRO's collectives itself (per-device hook)."""
+        return self.zero.config.explicit_collectives and not self.zero.comm.tensor
+
+    def _hook(self, layout, batch_rows, calls, scale):
+        """`hook(apply)`: `apply` run per device with the explicit collectives."""
+        cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
+        return lambda apply: hooked_apply_fn(
+            apply, mesh, comm, cfg, layout, batch_rows, calls, scale
+        )
+
     def _traced_global(self, layout, shardings, batch_rows, micro, state, batch, *extra):
-        cfg, mesh = self.zero.config, self.zero.mesh
+        cfg = self.zero.config
         original, calls = getattr(state, "apply_fn", None), []
         managed = cfg.manages_update
         scale = state.opt_state.scale if managed and cfg.precision == "fp16" else None
@@ -216,10 +231,8 @@ class ZeroStep:
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
         tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
-        explicit = cfg.explicit_collectives and not tensor_axes
-        hook = lambda apply: hooked_apply_fn(
-            apply, mesh, self.zero.comm, cfg, layout, batch_rows, calls, scale
-        )
+        explicit = self._explicit()
+        hook = self._hook(layout, batch_rows, calls, scale)
         if explicit and callable(original) and hasattr(state, "replace"):
             view = view.replace(apply_fn=hook(original))
         elif managed and cfg.precision != "fp32":
@@ -351,8 +364,10 @@ class ZeroStep:
                 f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives applies "
                 "to meshes of ZeRO axes only)"
                 if tensor_axes
-                else f"{self.__name__} does not call state.apply_fn (nor a Linen model's "
-                "apply on the batch)"
+                else self._fallback_reasons[0]
+                if self._fallback_reasons
+                else f"{self.__name__} does not call state.apply_fn, a Linen model's apply "
+                "or an NNX model it receives on the batch"
             )
             warnings.warn(
                 f"zerojax: {reason}, so XLA's partitioner places every collective, ZeRO's "

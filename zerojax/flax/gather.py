@@ -87,15 +87,22 @@ def gather_unit(module, args, kwargs):
     """Run the bound Linen `module`'s `__call__` as a stage-3 unit (see the module docstring):
     its parameters enter as this device's shards, are gathered only while it runs and their
     gradients are reduce-scattered as soon as backward leaves it."""
-    ctx = _CONTEXT.get()
-    prefix = "/".join(module.path)
-    shards = module.variables["params"]
     plain = module.clone(parent=None)  # unbound: applied functionally on the gathered weights
+    apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
+    return run_unit("/".join(module.path), module.variables["params"], apply, args, kwargs)
 
-    def apply(params, a, k):
+
+def run_unit(prefix: str, shards, apply, args, kwargs):
+    """`apply(params, args, kwargs)` run as the stage-3 unit at path `prefix` whose parameters
+    (`shards`, a pytree of this device's shards keyed below `prefix`) are gathered only while it
+    runs; Linen's and NNX's units both run through here."""
+    ctx = _CONTEXT.get()
+    assert ctx is not None, "a unit runs inside a zerojax stage-3 step"
+
+    def inside(params, a, k):
         token = _INSIDE.set(True)  # modules inside the unit run on the gathered weights as is
         try:
-            return plain.apply({"params": params}, *a, **k)
+            return apply(params, a, k)
         finally:
             _INSIDE.reset(token)
 
@@ -104,7 +111,7 @@ def gather_unit(module, args, kwargs):
         ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
         for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
     )
-    return layer_call(apply, dims, ctx, shards, args, kwargs, scanned)
+    return layer_call(inside, dims, ctx, shards, args, kwargs, scanned)
 
 
 def _full_path(prefix, path) -> str:

@@ -4,8 +4,8 @@ NNX objects are mutable Python graphs; zerojax's rules work on pytrees. `NnxLayo
 objects a user passes into one dict state, `{'params': the nnx.Param variables, 'opt_state':
 the optimizer's variables, 'other': the rest (RNG streams, batch statistics)}`, which the rules
 place like any train state, and merges such a state back into objects inside the jitted step,
-as `nnx.jit` does; `ZeroStep` runs `fn(model, optimizer, batch, *extra)` that way
-(`traced_step`) and updates the caller's objects in place. Sharding metadata on NNX variables
+as `nnx.jit` does; `ZeroStep` runs `fn(model, optimizer, batch, *extra)` that way and updates
+the caller's objects in place. Sharding metadata on NNX variables
 (`nnx.with_partitioning`) becomes the parameters' tensor-parallel layout, as Linen's boxes do.
 `zerojax.state` decides which states are NNX objects.
 """
@@ -16,7 +16,6 @@ import jax
 from flax import nnx
 
 from zerojax.flax.annotations import tensor_spec
-from zerojax.offload import to_device, to_storage
 from zerojax.rules import path_str
 
 FIELDS = ("params", "opt_state", "other")
@@ -43,6 +42,8 @@ class NnxLayout:
         # dropped, so optimizer paths end with their parameter's path ('mu/layer/kernel')
         self.heads = [_single_key(s) for s in states]
         self.state = self._pure(states)  # the objects' dict state as they are now
+        # per object, the key its parameters sit under in state['params'] ('' when dropped)
+        self.prefixes = tuple("" if self.heads[0] == i else str(i) for i in range(len(objs)))
 
     def to_state(self, objs: tuple) -> dict:
         """The dict state of `objs` (objects of this layout, e.g. after a traced step)."""
@@ -102,16 +103,3 @@ def _single_key(state):
 
 def _strip(pure: dict, head):
     return pure if head is None else pure.get(head, {})
-
-
-def traced_step(fn, layout: NnxLayout, shardings):
-    """`fn(*objects, batch, *extra)` as a function of the objects' placed dict state, returning
-    (the new dict state, `fn`'s return value): what `ZeroStep` jits for NNX objects."""
-
-    def traced(state, batch, *extra):
-        state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
-        objs = layout.merge(state)
-        out = fn(*objs, batch, *extra)
-        return to_storage(layout.to_state(objs), shardings), out
-
-    return traced

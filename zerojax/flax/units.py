@@ -52,20 +52,31 @@ _DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (inner
 
 
 def intercept(next_fun, args, kwargs, context):
-    """The interceptor zerojax's per-device model runs under: records calls while units are
-    being found, and runs the chosen units' `__call__` as gathered units."""
+    """The interceptor zerojax's per-device Linen model runs under (see `dispatch`)."""
     module = context.module
     if context.method_name != "__call__" or module.is_initializing():
         return next_fun(*args, **kwargs)
     path = "/".join(module.path)
+    return dispatch(
+        path,
+        lambda: _record(module, path),
+        lambda: gather_unit(module, args, kwargs),
+        lambda: next_fun(*args, **kwargs),
+    )
+
+
+def dispatch(path: str, record, run_unit, run):
+    """One module call at `path` inside zerojax's per-device model: recorded (`record()` gives
+    its ModuleCall) while units are being found, run as a gathered unit (`run_unit()`) when it
+    is one of the step's units, else run as is (`run()`)."""
     if _DISCOVERY:
         if path not in _DISCOVERY[-1]:
-            _DISCOVERY[-1][path] = _record(module, path)
-        return next_fun(*args, **kwargs)
+            _DISCOVERY[-1][path] = record()
+        return run()
     ctx = current_context()
     if ctx is None or path not in ctx.units:
-        return next_fun(*args, **kwargs)
-    return gather_unit(module, args, kwargs)
+        return run()
+    return run_unit()
 
 
 def _record(module, path) -> ModuleCall:

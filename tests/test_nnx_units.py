@@ -1,0 +1,115 @@
+"""NNX models on the explicit path: a GPT-2-style NNX transformer written here the way a user
+writes one (no zerojax import in it), its step Flax's own. Its calls run per device with
+reduce-scatter at stages 2-3, and stage 3 gathers each block as a unit found from outside.
+Slope = (peak(L=8) - peak(L=4)) / 4, the compiled peak's growth per added layer."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import zerojax as zj
+from tests.common import assert_trees_close
+
+
+class Block(nnx.Module):
+    def __init__(self, d, heads, rngs, dropout=0.0):
+        self.ln1, self.ln2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, use_bias=False, decode=False, rngs=rngs)
+        self.up, self.down = nnx.Linear(d, 4 * d, rngs=rngs), nnx.Linear(4 * d, d, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs) if dropout else None
+
+    def __call__(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, mask=nnx.make_causal_mask(jnp.ones(x.shape[:2], bool)))
+        h = nnx.gelu(self.up(self.ln2(x)))
+        return x + self.down(self.drop(h) if self.drop else h)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, layers, rngs, d=64, heads=4, vocab=128, dropout=0.0):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.blocks = nnx.List([Block(d, heads, rngs, dropout) for _ in range(layers)])
+        self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def make(layers, **kw):
+    def build():
+        model = Transformer(layers, nnx.Rngs(0), **kw)
+        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+
+    return build
+
+
+def train_step(model, optimizer, batch):
+    def loss_fn(model):
+        logits = model(batch[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+def report(options, layers, seq):
+    zero = zj.zero_shard(**options)
+    model, optimizer = zero.eval_shape(make(layers))
+    batch = jax.ShapeDtypeStruct((8, seq + 1), jnp.int32)
+    return zero.report(zero(train_step), model, optimizer, batch)
+
+
+def test_nnx_units_bound_the_peak_per_layer():
+    contenders = {"stage 0": dict(stage=0), "auto": dict(stage=3), "no units": dict(stage=3, units=())}
+    p = {(n, L): report(o, L, 256).peak_bytes for n, o in contenders.items() for L in (4, 8)}
+    slope = {n: (p[(n, 8)] - p[(n, 4)]) / 4 for n in contenders}
+    print(p, {n: s / slope["stage 0"] for n, s in slope.items()})
+    assert slope["auto"] <= 0.15 * slope["stage 0"], slope
+    assert slope["no units"] > 1.5 * slope["auto"], slope
+
+
+def data(n, seq=16):
+    return [np.random.default_rng(i).integers(0, 128, (16, seq + 1), np.int32) for i in range(n)]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nnx_steps_reduce_scatter_and_match_single_device(stage):
+    batches = data(3)
+    with jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make(2)()
+        single = nnx.jit(train_step)
+        want = [float(single(ref_model, ref_opt, b)) for b in batches]
+    zero = zj.zero_shard(stage=stage, persistence_threshold=0)  # every divisible leaf split
+    model, optimizer = zero.init(make(2))
+    step = zero(train_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "XLA places the collectives" warning
+        got = [float(step(model, optimizer, b)) for b in batches]
+    assert step.used_explicit_collectives
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))
+    assert_trees_close(nnx.to_pure_dict(nnx.state(optimizer)), nnx.to_pure_dict(nnx.state(ref_opt)))
+    hlo = step.lower(model, optimizer, batches[0]).compile().as_text()
+    assert re.search(r"reduce-scatter(-start)?\(", hlo)
+    # gradients are reduce-scattered, never all-reduced whole: what is all-reduced is scalars
+    rep = zero.report(step, model, optimizer, batches[0])
+    assert rep.bytes_of("all-reduce") <= 64, rep.bytes_of("all-reduce")
+
+
+def test_an_nnx_model_that_changes_its_state_says_why_it_falls_back():
+    zero = zj.zero_shard(stage=2)
+    model, optimizer = zero.init(make(2, dropout=0.1))  # dropout draws from its RNG stream
+    step = zero(train_step)
+    with pytest.warns(zj.ZeroWarning, match="changes its RngCount state"):
+        loss = step(model, optimizer, data(1)[0])
+    assert np.isfinite(float(loss)) and not step.used_explicit_collectives

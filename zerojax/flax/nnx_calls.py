@@ -1,0 +1,115 @@
+"""NNX module calls routed onto zerojax's explicit path, with no change to the model's code.
+
+Linen has a method interceptor; NNX has none. So inside a zerojax step each module object of
+the step's freshly merged copy of the user's objects gets a subclass of its own class, made
+once per (class, path), whose `__call__` routes the call (`route`). `nnx.split` and `nnx.merge`
+carry a node's type, so the copies that `nnx.value_and_grad`, `nnx.scan` or the per-device
+model make keep it. A routed call of an object the user passed (a root) goes to the handler
+`zerojax.hook` installs (the per-device hook); any other module call is recorded while units
+are found, and run as a gathered stage-3 unit when it is one (`flax.units.dispatch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+from flax import nnx
+
+from zerojax.flax.gather import run_unit
+from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch
+
+# handler(module, call, path, args, kwargs) for roots' calls, while a zerojax step is traced
+_ROOT_HANDLER: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_root", default=None)
+_ROUTED: dict = {}  # (class, path, root?) -> routed subclass
+
+
+def _routed_class(cls, path: str, root: bool):
+    key = (cls, path, root)
+    if key not in _ROUTED:
+        routed = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__call__": _call,
+                "_zerojax_class": cls,
+                "_zerojax_path": path,
+                "_zerojax_root": root,
+            },
+        )
+        routed.__qualname__, routed.__module__ = cls.__qualname__, cls.__module__
+        _ROUTED[key] = routed
+    return _ROUTED[key]
+
+
+def _call(self, *args, **kwargs):
+    sub = type(self)
+    cls, path = sub._zerojax_class, sub._zerojax_path
+    original = lambda m, *a, **k: cls.__call__(m, *a, **k)
+    handler = _ROOT_HANDLER.get()
+    if sub._zerojax_root and handler is not None:
+        return handler(self, original, path, args, kwargs)
+    return dispatch(
+        path,
+        lambda: _record(self, path),
+        lambda: _run_unit(self, path, original, args, kwargs),
+        lambda: original(self, *args, **kwargs),
+    )
+
+
+def _path(prefix: str, path: tuple) -> str:
+    return "/".join(str(k) for k in ((prefix,) if prefix else ()) + tuple(path))
+
+
+@contextlib.contextmanager
+def routed(objs: tuple, prefixes: tuple, handler):
+    """Inside, the modules of `objs` (objects this step merged; `prefixes[i]`, the keys their
+    parameters sit under in the zerojax state) route their calls, the roots' to `handler`."""
+    for obj, prefix in zip(objs, prefixes, strict=True):
+        for path, node in nnx.iter_graph(obj):
+            cls = type(node)
+            if isinstance(node, nnx.Module) and not hasattr(cls, "_zerojax_class"):
+                sub = _routed_class(cls, _path(prefix, path), root=not path)
+                object.__setattr__(node, "__class__", sub)
+    token = _ROOT_HANDLER.set(handler)
+    try:
+        yield
+    finally:
+        _ROOT_HANDLER.reset(token)
+
+
+def split_params(module):
+    """(graphdef, the module's nnx.Param state, the rest of its state)."""
+    return nnx.split(module, nnx.Param, ...)
+
+
+def with_params(params_state, pure: dict):
+    """A copy of the nnx.Param state `params_state` holding the arrays of the pure dict `pure`."""
+    fresh = jax.tree_util.tree_map(lambda x: x, params_state)
+    nnx.replace_by_pure_dict(fresh, pure)
+    return fresh
+
+
+def _record(module, path: str) -> ModuleCall:
+    _, params, rest = split_params(module)
+    other = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
+    return ModuleCall(
+        path,
+        type(module)._zerojax_class.__name__,
+        lifted=False,
+        marked=bool(getattr(type(module), UNIT_MARK, False)),
+        has_params=bool(jax.tree_util.tree_leaves(params)),
+        blocker=f"it holds NNX variables other than nnx.Param ({', '.join(other)})"
+        if other
+        else "",
+    )
+
+
+def _run_unit(module, path: str, original, args, kwargs):
+    graphdef, params, rest = split_params(module)
+
+    def apply(pure, a, k):
+        return original(nnx.merge(graphdef, with_params(params, pure), rest), *a, **k)
+
+    return run_unit(path, nnx.to_pure_dict(params), apply, args, kwargs)
