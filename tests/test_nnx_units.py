@@ -32,15 +32,27 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, layers, rngs, d=64, heads=4, vocab=128, dropout=0.0):
+    """Blocks in an nnx.List, or (scan=True) one stacked Block run by nnx.scan, as Flax's
+    docs write a scanned stack."""
+
+    def __init__(self, layers, rngs, d=64, heads=4, vocab=128, dropout=0.0, scan=False):
         self.embed = nnx.Embed(vocab, d, rngs=rngs)
-        self.blocks = nnx.List([Block(d, heads, rngs, dropout) for _ in range(layers)])
+        if scan:
+            make = nnx.vmap(lambda r: Block(d, heads, r, dropout), in_axes=0, out_axes=0)
+            self.blocks = make(rngs.split(layers))
+        else:
+            self.blocks = nnx.List([Block(d, heads, rngs, dropout) for _ in range(layers)])
         self.ln, self.head = nnx.LayerNorm(d, rngs=rngs), nnx.Linear(d, vocab, rngs=rngs)
+        self.scan = scan
 
     def __call__(self, tokens):
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
+        if self.scan:
+            layer = nnx.scan(lambda x, block: (block(x), None), in_axes=(nnx.Carry, 0))
+            x, _ = layer(x, self.blocks)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.head(self.ln(x))
 
 
@@ -62,16 +74,21 @@ def train_step(model, optimizer, batch):
     return loss
 
 
-def report(options, layers, seq):
+def report(options, layers, seq, scan=False):
     zero = zj.zero_shard(**options)
-    model, optimizer = zero.eval_shape(make(layers))
+    model, optimizer = zero.eval_shape(make(layers, scan=scan))
     batch = jax.ShapeDtypeStruct((8, seq + 1), jnp.int32)
     return zero.report(zero(train_step), model, optimizer, batch)
 
 
-def test_nnx_units_bound_the_peak_per_layer():
-    contenders = {"stage 0": dict(stage=0), "auto": dict(stage=3), "no units": dict(stage=3, units=())}
-    p = {(n, L): report(o, L, 256).peak_bytes for n, o in contenders.items() for L in (4, 8)}
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_nnx_units_bound_the_peak_per_layer(scan):
+    contenders = {
+        "stage 0": dict(stage=0),
+        "auto": dict(stage=3),
+        "no units": dict(stage=3, units=()),
+    }
+    p = {(n, L): report(o, L, 256, scan).peak_bytes for n, o in contenders.items() for L in (4, 8)}
     slope = {n: (p[(n, 8)] - p[(n, 4)]) / 4 for n in contenders}
     print(p, {n: s / slope["stage 0"] for n, s in slope.items()})
     assert slope["auto"] <= 0.15 * slope["stage 0"], slope
@@ -82,15 +99,15 @@ def data(n, seq=16):
     return [np.random.default_rng(i).integers(0, 128, (16, seq + 1), np.int32) for i in range(n)]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_nnx_steps_reduce_scatter_and_match_single_device(stage):
+@pytest.mark.parametrize("stage, scan", [(2, False), (3, False), (3, True)])
+def test_nnx_steps_reduce_scatter_and_match_single_device(stage, scan):
     batches = data(3)
     with jax.default_device(jax.devices()[0]):
-        ref_model, ref_opt = make(2)()
+        ref_model, ref_opt = make(2, scan=scan)()
         single = nnx.jit(train_step)
         want = [float(single(ref_model, ref_opt, b)) for b in batches]
     zero = zj.zero_shard(stage=stage, persistence_threshold=0)  # every divisible leaf split
-    model, optimizer = zero.init(make(2))
+    model, optimizer = zero.init(make(2, scan=scan))
     step = zero(train_step)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "XLA places the collectives" warning

@@ -22,6 +22,9 @@ from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch
 
 # handler(module, call, path, args, kwargs) for roots' calls, while a zerojax step is traced
 _ROOT_HANDLER: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_root", default=None)
+# {module path: its parameters' dims as stored} of the routed objects (scanned stacks have one
+# more per leaf than the slice `nnx.scan` calls)
+_STORED_DIMS: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_dims", default=None)
 _ROUTED: dict = {}  # (class, path, root?) -> routed subclass
 
 
@@ -66,17 +69,24 @@ def _path(prefix: str, path: tuple) -> str:
 def routed(objs: tuple, prefixes: tuple, handler):
     """Inside, the modules of `objs` (objects this step merged; `prefixes[i]`, the keys their
     parameters sit under in the zerojax state) route their calls, the roots' to `handler`."""
+    dims = {}
     for obj, prefix in zip(objs, prefixes, strict=True):
         for path, node in nnx.iter_graph(obj):
             cls = type(node)
             if isinstance(node, nnx.Module) and not hasattr(cls, "_zerojax_class"):
                 sub = _routed_class(cls, _path(prefix, path), root=not path)
                 object.__setattr__(node, "__class__", sub)
-    token = _ROOT_HANDLER.set(handler)
+                dims[sub._zerojax_path] = _param_dims(node)
+    tokens = _ROOT_HANDLER.set(handler), _STORED_DIMS.set(dims)
     try:
         yield
     finally:
-        _ROOT_HANDLER.reset(token)
+        _ROOT_HANDLER.reset(tokens[0])
+        _STORED_DIMS.reset(tokens[1])
+
+
+def _param_dims(module) -> int:
+    return sum(x.ndim for x in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))
 
 
 def split_params(module):
@@ -97,7 +107,7 @@ def _record(module, path: str) -> ModuleCall:
     return ModuleCall(
         path,
         type(module)._zerojax_class.__name__,
-        lifted=False,
+        lifted=_param_dims(module) < (_STORED_DIMS.get() or {}).get(path, 0),  # nnx.scan's slice
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(jax.tree_util.tree_leaves(params)),
         blocker=f"it holds NNX variables other than nnx.Param ({', '.join(other)})"
