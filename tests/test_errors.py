@@ -85,7 +85,7 @@ def test_a_good_state_is_left_usable_after_a_failed_call(zero_and_state):
 def test_managed_update_needs_a_managed_state():
     zero = zj.zero_shard(stage=2, precision="bf16")
     plain = zj.zero_shard(stage=2).shard(initial_state(optax.adam(1e-3)))
-    with pytest.raises(zj.ZeroError, match="zero.init\\(...\\) or zero.shard\\(state\\)"):
+    with pytest.raises(zj.ZeroError, match="zero.init\\(...\\) or zero.shard\\(...\\)"):
         zero(train_step)(plain, batches(1)[0])
     managed = zero.shard(plain)  # shard() adds master weights and buffers
     state, metrics = zero(train_step)(managed, batches(1)[0])

@@ -105,12 +105,6 @@ def test_nnx_objects_built_elsewhere_are_placed_by_shard_or_refused():
     zero.describe((model, optimizer), tolerance=0.01, show=False)
 
 
-def test_nnx_refuses_managed_options_with_the_optax_alternative():
-    zero = zj.zero_shard(stage=3, precision="bf16")
-    with pytest.raises(zj.ZeroError, match="optax chain"):
-        zero.init(lambda: make_objects(ADAMW()))
-
-
 # ---- plain pytrees ----------------------------------------------------------------------------
 TX = optax.sgd(0.05, momentum=0.9)
 

@@ -22,7 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.config import ZeroError
-from zerojax.optim import ZeroOptState, initial_scaler, present
+from zerojax.optim import ZeroOptState, initial_scaler, present, zero_opt_state
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 from zerojax.state import boundary
 
@@ -35,21 +35,22 @@ SCALER_FIELDS = ZeroOptState._fields[ZeroOptState._fields.index("scale") :]
 def _canonical_paths(state) -> list:
     """[(canonical key tuple or None, leaf)] for every leaf of `state` (None: not saved)."""
     out = []
-    zero_opt = isinstance(getattr(state, "opt_state", None), ZeroOptState)
-    has_master = zero_opt and present(state.opt_state.master)
+    zero_opt = zero_opt_state(state)
+    has_master = zero_opt is not None and present(zero_opt.master)
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         names = tuple(key_name(k) for k in path)
         head = category_of(path)  # a tuple state's (params, opt_state) are stored by name
+        field = _zero_field(path) if head == OPT_STATE and zero_opt is not None else None
         if head == PARAMS:
             out.append((None if has_master else (PARAMS, *names[1:]), leaf))  # master: truth
-        elif head == OPT_STATE and zero_opt:
-            field = names[1]
-            if field == "master":
-                out.append(((PARAMS, *names[2:]), leaf))
-            elif field == "inner":
-                out.append(((OPT_STATE, *names[2:]), leaf))
-            elif field in SCALER_FIELDS:
-                out.append((("zero", field), leaf))
+        elif field is not None:
+            at, rest = field, names[field + 1 :]
+            if names[at] == "master":
+                out.append(((PARAMS, *rest), leaf))
+            elif names[at] == "inner":
+                out.append(((OPT_STATE, *rest), leaf))
+            elif names[at] in SCALER_FIELDS:
+                out.append((("zero", names[at]), leaf))
             else:  # micro, accum, per_device: step-boundary 0
                 out.append((None, leaf))
         elif head == OPT_STATE:
@@ -57,6 +58,15 @@ def _canonical_paths(state) -> list:
         else:
             out.append((("other", *names), leaf))
     return out
+
+
+def _zero_field(path) -> int | None:
+    """The position in `path` of the ZeroOptState field it passes through (a TrainState's
+    `opt_state.master`, an NNX optimizer's `zerojax` variable's `.master`), or None."""
+    for i, key in enumerate(path[1:], start=1):
+        if isinstance(key, jax.tree_util.GetAttrKey) and key.name in ZeroOptState._fields:
+            return i
+    return None
 
 
 def nest(pairs) -> dict:
@@ -84,8 +94,8 @@ def _is_key(x) -> bool:
 
 def canonical_tree(state) -> dict:
     """The nested dict of arrays a checkpoint stores for `state` (typed RNG keys as key data)."""
-    micro = getattr(getattr(state, "opt_state", None), "micro", None)
-    micro = 0 if micro is None else int(jax.device_get(micro))
+    zero_opt = zero_opt_state(state)
+    micro = 0 if zero_opt is None else int(jax.device_get(zero_opt.micro))
     if micro:
         raise ZeroError(
             f"cannot checkpoint in the middle of gradient accumulation (micro-step "
@@ -178,9 +188,8 @@ class CheckpointManager:
         """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
         an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
         is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
-        user = boundary(target)  # NNX: new objects like `target` (real or nnx.eval_shape'd)
         step, saved = saved_step(self._mgr, step)
-        abstract = self.zero.abstract(target)
+        abstract, user = self.zero.holding(target)  # NNX: rebuilds objects like `target`
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
         wanted = _canonical_paths(abstract)
         request, restore_args = [], []

@@ -26,9 +26,8 @@ from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
 from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
-from zerojax.optim import prepare_state
 from zerojax.rules import LeafPlan, StateLayout, path_str, plan_state
-from zerojax.state import Boundary, boundary
+from zerojax.state import Boundary, boundary, managed
 from zerojax.step import ZeroStep
 
 if TYPE_CHECKING:
@@ -107,28 +106,43 @@ class ZeroShard:
     def manage(self, state: PyTree) -> PyTree:
         """`state` as this config trains it, without the model's partitioning boxes: with
         precision, accumulation or clipping on, 16-bit params plus a `ZeroOptState` (master
-        weights, buffers); otherwise unchanged."""
-        state = read_linen_boxes(state, self.mesh, self.config)[0]
-        if not self.config.manages_update:
-            return state
-        return prepare_state(state, self.config, self.axis_size)
+        weights, buffers); otherwise unchanged. NNX objects: new managed objects."""
+        user = boundary(state)
+        held = self._managed(user, user.tree)
+        return held.rebuild(held.tree)
+
+    def _managed(self, user: Boundary, tree) -> Boundary:
+        return managed(
+            user, read_linen_boxes(tree, self.mesh, self.config)[0], self.config, self.axis_size
+        )
 
     def abstract(self, state: PyTree) -> PyTree:
         """`state` (a train state or its abstract shape; NNX objects: their dict state) as this
         zero holds it: managed, as ShapeDtypeStructs carrying their shardings."""
-        user = boundary(state)
-        managed = jax.eval_shape(self.manage, user.tree)
-        return jax.tree_util.tree_map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            managed,
-            self._layout(managed, user).shardings(self.mesh),
+        return self.holding(state)[0]
+
+    def holding(self, state: PyTree) -> tuple[PyTree, Boundary]:
+        """(`abstract(state)`, the boundary whose `rebuild` turns such a tree into the user's
+        kind of state: for NNX objects, managed objects like them)."""
+        user, seen = boundary(state), []
+
+        def manage(tree):
+            seen.append(self._managed(user, tree))
+            return seen[-1].tree
+
+        tree = jax.eval_shape(manage, user.tree)
+        shardings = self._layout(tree, user).shardings(self.mesh)  # user: its declared TP
+        abstract = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
+        return abstract, seen[-1]
 
     def shard(self, state: PyTree) -> PyTree:
         """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
         objects (one, or a tuple) come back as new objects holding the placed state."""
         user = boundary(state)
-        shardings = jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(state))
+        abstract, held = self.holding(state)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
         tree = read_linen_boxes(user.tree, self.mesh, self.config)[0]
         mesh_devices = set(self.mesh.devices.flat)
         elsewhere = lambda x: isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
@@ -138,9 +152,9 @@ class ZeroShard:
                 tree,
                 self._layout(jax.eval_shape(lambda t: t, tree), user).shardings(self.mesh),
             )
-        placed = jax.jit(self.manage, out_shardings=shardings)(tree)
+        placed = jax.jit(lambda t: self._managed(user, t).tree, out_shardings=shardings)(tree)
         self._check_logical_rules_used(self._declared(user))
-        return user.rebuild(placed)
+        return held.rebuild(placed)
 
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
@@ -150,14 +164,15 @@ class ZeroShard:
         def make(*a, **k):  # traced once: init_fn may build a new model object per call
             with nnx_building():
                 user = boundary(init_fn(*a, **k))
-            seen.append((user, self._declared(user)))
-            state = jax.tree_util.tree_map(jnp.asarray, self.manage(user.tree))
+                declared, held = self._declared(user), self._managed(user, user.tree)
+            seen.append((held, declared))
+            state = jax.tree_util.tree_map(jnp.asarray, held.tree)
             return to_storage(state, self._layout(state, user).shardings(self.mesh))
 
         state = jax.jit(make)(*args, **kwargs)
-        user, declared = seen[-1]
+        held, declared = seen[-1]
         self._check_logical_rules_used(declared)
-        return user.rebuild(state)
+        return held.rebuild(state)
 
     def _check_logical_rules_used(self, declared: dict):
         if self.config.logical_rules and not declared:
@@ -174,8 +189,8 @@ class ZeroShard:
         compile and report a step for a model too large to allocate (nothing is allocated).
         NNX objects come back as abstract objects whose variables hold them."""
         with nnx_building():
-            state = jax.eval_shape(init_fn, *args, **kwargs)
-            return boundary(state).rebuild(self.abstract(state))
+            abstract, held = self.holding(jax.eval_shape(init_fn, *args, **kwargs))
+            return held.rebuild(abstract)
 
     def place_batch(self, batch: PyTree) -> PyTree:
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a

@@ -86,6 +86,13 @@ class ZeroTx:
         return jax.tree_util.tree_map(jnp.zeros_like, grads), state
 
 
+def zero_opt_state(tree) -> ZeroOptState | None:
+    """The ZeroOptState a managed state holds (a TrainState's opt_state; NNX objects' dict
+    state holds it under the optimizer's `zerojax` variable), or None."""
+    found = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, ZeroOptState))
+    return next((x for x in found if isinstance(x, ZeroOptState)), None)
+
+
 def present(tree) -> bool:
     """False for the `()` placeholder of a buffer this configuration does not need."""
     return not (isinstance(tree, tuple) and not tree)

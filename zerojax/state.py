@@ -17,7 +17,9 @@ from typing import Any
 from flax import nnx
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.flax.nnx import NNX_UNMANAGED, NnxLayout
+from zerojax.flax.nnx import NnxLayout
+from zerojax.flax.nnx_managed import manage_objects
+from zerojax.optim import prepare_state
 
 
 def _is_objects(x) -> bool:
@@ -42,8 +44,6 @@ class Boundary:
         pytree state's Linen boxes and shardings are read by `ZeroShard`)."""
         if self.objects is None:
             return {}
-        if cfg.manages_update:
-            raise ZeroError(NNX_UNMANAGED)
         return self.objects.tensor_specs(mesh, cfg)
 
 
@@ -59,6 +59,19 @@ def boundary(x) -> Boundary:
         return objs[0] if single else objs
 
     return Boundary(layout.state, rebuild, layout)
+
+
+def managed(user: Boundary, tree, cfg: ZeroConfig, axis_size: int) -> Boundary:
+    """The boundary of the state `user` rebuilds from `tree`, as `cfg` trains it: with
+    precision, accumulation or clipping on, 16-bit params with master weights and buffers
+    (`optim.prepare_state`; NNX objects: `flax.nnx_managed`). Run it under a trace."""
+    if not cfg.manages_update:
+        return dataclasses.replace(user, tree=tree)
+    if user.objects is None:
+        return Boundary(prepare_state(tree, cfg, axis_size), user.rebuild)
+    objs = user.rebuild(tree)  # new objects, managed in place
+    manage_objects(objs if isinstance(objs, tuple) else (objs,), cfg, axis_size)
+    return boundary(objs)
 
 
 def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:

@@ -26,18 +26,18 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
-from zerojax.flax.nnx import NNX_UNMANAGED
+from zerojax.flax.nnx_managed import ManagedObjects
 from zerojax.hook import hooked_apply_fn, linen_calls_hooked, local_apply_fn, nnx_calls_hooked
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
     DTYPES,
-    ZeroOptState,
     accumulate,
     apply_update,
     capture_gradients,
     cast_floating,
     present,
     update_metrics,
+    zero_opt_state,
 )
 from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed, split_dim
 from zerojax.state import Boundary, split_call
@@ -66,30 +66,28 @@ class ZeroStep:
         """`step(state, batch, *extra)`, or for NNX objects `step(model, optimizer, ...,
         batch, *extra)` (the objects are updated in place and `fn`'s return value returned)."""
         call, batch, extra = split_call(args)
-        if call.objects is not None:
-            jitted, shardings, batch = self._prepare(call, batch, extra, False)
-            check_placed(call.tree, shardings)
-            new_tree, out = jitted(call.tree, batch, *extra)
-            self._warn_if_not_hooked()
-            call.objects.update(args[: len(args) - len(extra) - 1], new_tree)
-            return out
-        state = call.tree
         self._raise_if_scale_exhausted()
         self.check()
-        micro_index = self._micro_index(state)
+        micro_index = self._micro_index(call.tree)
         jitted, shardings, batch = self._prepare(call, batch, extra, self._is_micro(micro_index))
-        check_placed(state, shardings)
-        out = jitted(state, batch, *extra)
+        check_placed(call.tree, shardings)
+        out = jitted(call.tree, batch, *extra)
         self._warn_if_not_hooked()
-        new_state, cfg = out[0] if isinstance(out, tuple) else out, self.zero.config
-        opt = getattr(new_state, "opt_state", None)  # kept below: its scalars, never the state
+        if call.objects is not None:  # NNX: the objects take the new state, fn's return is out
+            new_tree, out = out
+            call.objects.update(args[: len(args) - len(extra) - 1], new_tree)
+            step = None
+        else:
+            new_tree = out[0] if isinstance(out, tuple) else out
+            step = getattr(new_tree, "step", None)
+        cfg, opt = self.zero.config, zero_opt_state(new_tree)  # kept below: scalars, not state
         if cfg.gradient_accumulation_steps > 1:
             self._last_micro = weakref.ref(opt.micro)
             self._next_micro = (micro_index + 1) % cfg.gradient_accumulation_steps
         if cfg.precision == "fp16" and not cfg.loss_scale:
             self._min_scale_flag = opt.overflow_at_min_scale
         if cfg.on_nonfinite != "off" and not self._is_micro(micro_index):
-            self._nonfinite_flag = (opt.last_skipped, new_state.step, opt.skipped)
+            self._nonfinite_flag = (opt.last_skipped, step, opt.skipped)
         return out
 
     def check(self) -> None:
@@ -101,9 +99,8 @@ class ZeroStep:
         (skipped, step, total), self._nonfinite_flag = self._nonfinite_flag, None
         if not bool(skipped):
             return
-        message = (
-            f"non-finite gradients (NaN or inf) at step {int(step)}: the update was not applied"
-        )
+        where = "in the last optimizer step" if step is None else f"at step {int(step)}"
+        message = f"non-finite gradients (NaN or inf) {where}: the update was not applied"
         if self.zero.config.on_nonfinite == "stop":
             raise ZeroError(
                 f"{message}; stopping (on_nonfinite='stop'). The state that call "
@@ -128,21 +125,22 @@ class ZeroStep:
         """`trace(...)` lowered: the usual jax `Lowered`, to compile or inspect."""
         return self.trace(*args, micro=micro).lower()
 
-    def _micro_index(self, state) -> int:
+    def _micro_index(self, tree) -> int:
         cfg = self.zero.config
         if not cfg.manages_update:
             return 0
-        if not isinstance(getattr(state, "opt_state", None), ZeroOptState):
+        opt = zero_opt_state(tree)
+        if opt is None:
             raise ZeroError(
                 "this zero_shard manages the update (precision, accumulation or "
-                "clipping): create the state with zero.init(...) or zero.shard(state) "
-                "so it carries the master weights and buffers."
+                "clipping): create the state (or NNX objects) with zero.init(...) or "
+                "zero.shard(...) so it carries the master weights and buffers."
             )
         if cfg.gradient_accumulation_steps == 1:
             return 0
-        if self._last_micro is not None and self._last_micro() is state.opt_state.micro:
+        if self._last_micro is not None and self._last_micro() is opt.micro:
             return self._next_micro
-        return int(state.opt_state.micro)  # a state from elsewhere: read its position once
+        return int(opt.micro)  # a state from elsewhere: read its position once
 
     def _is_micro(self, micro_index: int) -> bool:
         return micro_index < self.zero.config.gradient_accumulation_steps - 1
@@ -174,9 +172,9 @@ class ZeroStep:
             if objects is None:
                 traced = functools.partial(self._traced, layout, shardings, rows, micro)
             else:
-                if self.zero.config.manages_update:
-                    raise ZeroError(NNX_UNMANAGED)
-                traced = functools.partial(self._traced_objects, objects, layout, shardings, rows)
+                traced = functools.partial(
+                    self._traced_objects, objects, layout, shardings, rows, micro
+                )
             donate = (0,) if self.zero.config.donate else ()
             self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings)
         return (*self._jitted[key], batch)
@@ -195,20 +193,31 @@ class ZeroStep:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
         return _finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
 
-    def _traced_objects(self, objects, layout, shardings, batch_rows, state, batch, *extra):
+    def _traced_objects(self, objects, layout, shardings, batch_rows, micro, state, batch, *extra):
         """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
-        state; the objects' calls on the batch run through the per-device hook."""
+        state; the objects' calls on the batch run through the per-device hook, and a managed
+        update is applied as for a TrainState (`flax.nnx_managed`)."""
+        cfg = self.zero.config
         state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
         objs, calls, self._fallback_reasons = objects.merge(state), [], []
+        managed = ManagedObjects(objs, cfg) if cfg.manages_update else None
         hooked = contextlib.nullcontext()
         if self._explicit():
-            hook = self._hook(layout, batch_rows, calls, None)
+            hook = self._hook(layout, batch_rows, calls, managed and managed.scale)
             hooked = nnx_calls_hooked(
                 hook, batch_rows, objs, objects.prefixes, self._fallback_reasons
             )
-        with hooked:
+        with hooked, capture_gradients() as sink:
             out = self.fn(*objs, batch, *extra)
         self.used_explicit_collectives = bool(calls)
+        if managed and cfg.precision != "fp32" and not calls:
+            raise ZeroError(
+                f"precision={cfg.precision!r} casts the parameters where the model runs per "
+                f"device, which this step rules out: {self._fallback_reason()}. Train in "
+                "fp32 (give the model a bf16 dtype for 16-bit compute)."
+            )
+        if managed:
+            managed.finish(_one_capture(sink), micro)
         return to_storage(objects.to_state(objs), shardings), out
 
     def _explicit(self) -> bool:
@@ -354,25 +363,33 @@ class ZeroStep:
             new_state = self._update(layout, shardings, new_state, state.step, reduced)
         return _with_metrics(new_state, rest)
 
+    def _fallback_reason(self) -> str:
+        """Why the last traced step placed no explicit collectives."""
+        tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
+        if tensor_axes:
+            return (
+                f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives "
+                "applies to meshes of ZeRO axes only)"
+            )
+        if not self.zero.config.explicit_collectives:
+            return "explicit_collectives=False"
+        if self._fallback_reasons:
+            return self._fallback_reasons[0]
+        return (
+            f"{getattr(self.fn, '__name__', 'the step')} does not call state.apply_fn, a "
+            "Linen model's apply or an NNX model it receives on the batch"
+        )
+
     def _warn_if_not_hooked(self):
-        cfg, tensor_axes = self.zero.config, tuple(a for a, _ in self.zero.comm.tensor)
+        cfg = self.zero.config
         if cfg.explicit_collectives and cfg.shards_gradients and not self._warned:
             if self.used_explicit_collectives is not False:
                 return
             self._warned = True
-            reason = (
-                f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives applies "
-                "to meshes of ZeRO axes only)"
-                if tensor_axes
-                else self._fallback_reasons[0]
-                if self._fallback_reasons
-                else f"{self.__name__} does not call state.apply_fn, a Linen model's apply "
-                "or an NNX model it receives on the batch"
-            )
             warnings.warn(
-                f"zerojax: {reason}, so XLA's partitioner places every collective, ZeRO's "
-                "included (on CPU, stage 2 then all-reduces the gradients instead of "
-                "reduce-scattering them).",
+                f"zerojax: {self._fallback_reason()}, so XLA's partitioner places every "
+                "collective, ZeRO's included (on CPU, stage 2 then all-reduces the gradients "
+                "instead of reduce-scattering them).",
                 category=ZeroWarning,
                 stacklevel=3,
             )
@@ -416,7 +433,8 @@ def _device_mean(tree, axis):
 def _one_capture(sink):
     if len(sink) != 1:
         raise ZeroError(
-            f"a zerojax step must call state.apply_gradients exactly once (it was "
+            "a zerojax step must call state.apply_gradients (NNX: optimizer.update) exactly "
+            f"once (it was "
             f"called {len(sink)} times)."
         )
     return sink[0]
