@@ -130,3 +130,17 @@ def test_an_nnx_model_that_changes_its_state_says_why_it_falls_back():
     with pytest.warns(zj.ZeroWarning, match="changes its RngCount state"):
         loss = step(model, optimizer, data(1)[0])
     assert np.isfinite(float(loss)) and not step.used_explicit_collectives
+
+
+@pytest.mark.filterwarnings("ignore:zerojax. .* stay replicated")  # the small biases
+def test_plan_and_describe_name_each_parameters_unit():
+    zero = zj.zero_shard(stage=3)
+    model, optimizer = zero.eval_shape(make(2))
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    plans = {p.path: p for p in zero.plan((model, optimizer), step=zero(train_step), batch=batch)}
+    assert plans["params/blocks/1/up/kernel"].unit == "blocks/1"
+    assert plans["params/head/kernel"].unit is None  # gathered with the step, not as a unit
+    assert plans["opt_state/opt_state/0/mu/blocks/1/up/kernel"].unit is None  # parameters only
+    table = zero.describe((model, optimizer), step=zero(train_step), batch=batch, show=False)
+    assert {r.unit for r in table.rows} == {"", "blocks/0", "blocks/1"}
+    assert "unit" in str(table).splitlines()[0]

@@ -209,6 +209,16 @@ def test_gather_on_use_marks_a_unit_from_inside_the_model():
     assert gathered[".*/plain"] - gathered[()] == 4 * block
 
 
+def test_plan_names_each_parameters_unit():
+    zero = zj.zero_shard(stage=3, units="Block")
+    state = zero.eval_shape(init_fn(Transformer(2, False), 16), jax.random.key(0))
+    batch = jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    plans = {p.path: p.unit for p in zero.plan(state, step=zero(step), batch=batch)}
+    assert plans["params/block_1/Dense_0/kernel"] == "block_1"
+    assert plans["params/Embed_0/embedding"] is None
+    assert all(p.unit is None for p in zero.plan(state))  # without the step: not known
+
+
 def closure_step(model):
     """A step that applies a module captured in a closure, never touching state.apply_fn."""
     return lambda state, batch: step(state, batch, apply=model.apply)

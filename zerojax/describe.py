@@ -35,6 +35,7 @@ class LeafRow:
     total_bytes: int
     split: bool  # the stage means to split this leaf
     replicated: bool  # ...and it stays whole on every device
+    unit: str = ""  # the stage-3 unit gathering this parameter, when known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,15 +57,17 @@ class Description:
         )[:top]
 
     def __str__(self):
-        head = ("path", "shape", "dtype", "spec", "memory", "bytes/device")
+        units = any(r.unit for r in self.rows)
+        head = ("path", "shape", "dtype", "spec", "memory", "bytes/device") + ("unit",) * units
         cells = [head] + [
             (r.path, str(r.shape), r.dtype, r.spec, r.memory, f"{r.bytes_per_device:,}")
+            + (r.unit,) * units
             for r in self.rows
         ]
         widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
         lines = [
             "  ".join(
-                c[i].ljust(widths[i]) if i < 5 else c[i].rjust(widths[i]) for i in range(len(head))
+                c[i].rjust(widths[i]) if i == 5 else c[i].ljust(widths[i]) for i in range(len(head))
             ).rstrip()
             for c in cells
         ]
@@ -83,9 +86,9 @@ class Description:
         return "\n".join(lines) + "\n"
 
 
-def leaf_rows(zero, state) -> list[LeafRow]:
+def leaf_rows(zero, state, units: dict | None = None) -> list[LeafRow]:
     """A `LeafRow` per leaf of `state` (arrays or ShapeDtypeStructs, placed or not): its own
-    sharding when it has one, else the one `zero` gives it."""
+    sharding when it has one, else the one `zero` gives it; `units`: {path: its unit}."""
     shardings = jax.tree_util.tree_leaves(zero.state_shardings(state))
     rows = []
     for (path, leaf), want in zip(
@@ -108,14 +111,16 @@ def leaf_rows(zero, state) -> list[LeafRow]:
                 total_bytes=math.prod(shape) * dtype.itemsize,
                 split=split,
                 replicated=split and local == shape,
+                unit=(units or {}).get(path_str(path), ""),
             )
         )
     return rows
 
 
-def describe(zero, state, tolerance: float | None = None) -> Description:
-    """The `Description` of `state` under `zero`, with the replicated-bytes guard."""
-    out = Description(tuple(leaf_rows(zero, state)), zero.mesh.size, zero.config.stage)
+def describe(zero, state, tolerance: float | None = None, units: dict | None = None) -> Description:
+    """The `Description` of `state` under `zero`, with the replicated-bytes guard; `units`:
+    {leaf path: its stage-3 unit}, shown as a column when given."""
+    out = Description(tuple(leaf_rows(zero, state, units)), zero.mesh.size, zero.config.stage)
     fraction = out.replicated_fraction
     names = ", ".join(
         f"{r.path} {r.shape} ({r.total_bytes:,} bytes)" for r in out.largest_replicated()

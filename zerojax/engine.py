@@ -26,7 +26,7 @@ from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
 from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
 from zerojax.offload import to_storage
-from zerojax.rules import LeafPlan, StateLayout, path_str, plan_state
+from zerojax.rules import LeafPlan, StateLayout, path_str, plan_state, with_units
 from zerojax.state import Boundary, boundary, managed
 from zerojax.step import ZeroStep
 
@@ -93,10 +93,15 @@ class ZeroShard:
             or carried_tensor_specs(user.tree, self.mesh, self.config)
         )
 
-    def plan(self, state: PyTree) -> list[LeafPlan]:
+    def plan(self, state: PyTree, *, step: ZeroStep | None = None, batch=None) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
-        (NNX objects: for their dict state, see zerojax.flax.nnx)."""
-        return list(self.layout(state).plans)
+        (NNX objects: for their dict state, see zerojax.flax.nnx). Given the `step` and a
+        `batch`, each parameter also names its stage-3 unit (found by tracing the step)."""
+        plans = list(self.layout(state).plans)
+        if step is None:
+            return plans
+        args = state if isinstance(state, tuple) and boundary(state).objects else (state,)
+        return with_units(plans, step.units_of(*args, batch))
 
     def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
@@ -255,15 +260,25 @@ class ZeroShard:
         )
 
     def describe(
-        self, state: PyTree, *, tolerance: float | None = None, show: bool = True
+        self,
+        state: PyTree,
+        *,
+        tolerance: float | None = None,
+        show: bool = True,
+        step: ZeroStep | None = None,
+        batch=None,
     ) -> Description:
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
-        bytes per device. Warns when over 1% of the bytes this stage splits stay replicated,
-        raises ZeroError above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
+        bytes per device, and (given the `step` and a `batch`) each parameter's stage-3 unit.
+        Warns when over 1% of the bytes this stage splits stay replicated, raises ZeroError
+        above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
 
-        out = describe(self, boundary(state).tree, tolerance)
+        units = {}
+        if step is not None:
+            units = {p.path: p.unit for p in self.plan(state, step=step, batch=batch) if p.unit}
+        out = describe(self, boundary(state).tree, tolerance, units)
         if show:
             print(out, end="")
         return out

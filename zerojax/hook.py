@@ -76,8 +76,8 @@ def hooked_apply_fn(
 ):
     """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
     parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
-    dims of the step's batch leaves), each call appends to `calls`, and `scale` is the fp16 loss
-    scale (None without loss scaling)."""
+    dims of the step's batch leaves), each call appends its stage-3 units to `calls`, and
+    `scale` is the fp16 loss scale (None without loss scaling)."""
     n, dtypes_reduce = comm.data_size, DTYPES[cfg.grad_reduce_dtype]
 
     def plans(variables) -> list:
@@ -88,7 +88,6 @@ def hooked_apply_fn(
         ]
 
     def apply(variables, *args, **kwargs):
-        calls.append(True)
         flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         leaf_plans = plans(variables)
@@ -96,6 +95,7 @@ def hooked_apply_fn(
         grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
         # stage 3: leaves of units enter as shards and are gathered per unit
         units = _units(apply_fn, variables, args, kwargs, cfg) if cfg.shards_parameters else ()
+        calls.append(frozenset(units))
         prefixes = tuple(u + "/" for u in units)
         claimed = [
             key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes) for p, _ in flat_vars
@@ -312,7 +312,7 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
     no collectives (the step reduces the gradients itself)."""
 
     def apply(variables, *args, **kwargs):
-        calls.append(True)
+        calls.append(frozenset())
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         copies = compute_copies(
             tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))

@@ -48,6 +48,7 @@ class LeafPlan:
     split_dim: int | None = None
     grad_spec: P | None = None
     tensor: TensorSpec | None = None
+    unit: str | None = None  # the stage-3 unit gathering it (`zero.plan(..., step=, batch=)`)
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +100,17 @@ class StateLayout:
             return P() if plan is None else getattr(plan, which)
 
         return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def with_units(plans, units) -> list[LeafPlan]:
+    """`plans` with each parameter's `unit`: the outermost of `units` (module paths below
+    `params`) its path lies under."""
+
+    def unit_of(plan):
+        inside = [u for u in units if plan.path.startswith(f"{PARAMS}/{u}/")]
+        return min(inside, key=len) if plan.category == PARAMS and inside else None
+
+    return [dataclasses.replace(p, unit=unit_of(p)) for p in plans]
 
 
 def key_name(key) -> str:

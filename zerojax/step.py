@@ -52,6 +52,7 @@ class ZeroStep:
         self.zero, self.fn = zero, fn
         self._jitted = {}
         self.used_explicit_collectives = None  # known after the first trace
+        self.units: tuple[str, ...] | None = None  # stage-3 units of the last trace
         self._warned = False
         self._fallback_reasons: list = []  # why a traced model call kept XLA's placement
         # the micro-batch position of the state the last call returned, known without reading
@@ -120,6 +121,17 @@ class ZeroStep:
         traced = jitted.trace(state.tree, batch, *extra)
         self._warn_if_not_hooked()
         return traced
+
+    def units_of(self, *args) -> tuple[str, ...]:
+        """The paths of the modules stage 3 gathers as units in `self(*args)` (found by
+        tracing it; below `params`, e.g. 'blocks_0' or, for NNX, 'blocks/0')."""
+        self.trace(*args)
+        return self.units or ()
+
+    def _traced_calls(self, calls: list) -> None:
+        """Record what the model calls of a trace did: each call appends its units."""
+        self.used_explicit_collectives = bool(calls)
+        self.units = tuple(sorted(frozenset().union(*calls)))
 
     def lower(self, *args, micro: bool = False) -> jax.stages.Lowered:
         """`trace(...)` lowered: the usual jax `Lowered`, to compile or inspect."""
@@ -209,7 +221,7 @@ class ZeroStep:
             )
         with hooked, capture_gradients() as sink:
             out = self.fn(*objs, batch, *extra)
-        self.used_explicit_collectives = bool(calls)
+        self._traced_calls(calls)
         if managed and cfg.precision != "fp32" and not calls:
             raise ZeroError(
                 f"precision={cfg.precision!r} casts the parameters where the model runs per "
@@ -259,7 +271,7 @@ class ZeroStep:
         hooked = linen_calls_hooked(hook, batch_rows) if explicit else contextlib.nullcontext()
         with capture_gradients() as sink, hooked:
             out = self.fn(view, batch, *extra)
-        self.used_explicit_collectives = bool(calls)
+        self._traced_calls(calls)
         new_state, rest = _split(out, state)
         if original is not None:
             new_state = new_state.replace(apply_fn=original)
@@ -356,7 +368,7 @@ class ZeroStep:
             out_specs=(specs, param_grad_specs if not micro else P(), P()),
             check_vma=False,
         )(state, batch, extra)
-        self.used_explicit_collectives = bool(calls)
+        self._traced_calls(calls)
         if micro:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
         else:
