@@ -230,7 +230,11 @@ class ZeroStep:
             )
         if managed:
             managed.finish(_one_capture(sink), micro)
-        return to_storage(objects.to_state(objs), shardings), out
+        new = objects.to_state(objs)
+        master = getattr(zero_opt_state(shardings), "master", ())
+        if cfg.precision != "fp32" and not micro and _same_structure(new[PARAMS], master):
+            new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
+        return to_storage(new, shardings), out
 
     def _explicit(self) -> bool:
         """Whether the step places ZeRO's collectives itself (per-device hook)."""
@@ -464,6 +468,10 @@ def _split(out, state):
     )
 
 
+def _same_structure(a, b) -> bool:
+    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))  # type: ignore[operator]
+
+
 def _is_state(x, state) -> bool:
     """Whether `x` is a new state for `state`: of its type, and for a plain tuple state
     `(params, opt_state)` also of its tree structure (a `(state, metrics)` pair is a tuple too)."""
@@ -493,7 +501,7 @@ def _finish(out, state, shardings, cast: bool):
             "the state a zerojax step returns must have the structure of the state "
             f"it received ({type(state).__name__}); did the step add or drop fields?"
         )
-    if cast:
+    if cast:  # NNX objects: the same in ZeroStep._traced_objects
         master = shardings.opt_state.master
         new = new.replace(params=jax.lax.with_sharding_constraint(new.params, master))
     new = to_storage(new, shardings)
