@@ -144,3 +144,31 @@ def test_plan_and_describe_name_each_parameters_unit():
     table = zero.describe((model, optimizer), step=zero(train_step), batch=batch, show=False)
     assert {r.unit for r in table.rows} == {"", "blocks/0", "blocks/1"}
     assert "unit" in str(table).splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(mesh="local=4", hpz_partition_size=4),  # hpZ: backward gathers inside the node
+        dict(mesh="local=4", mics_shard_size=4),  # MiCS: state split over 4, replicated over 2
+        dict(offload_optimizer="cpu", offload_param="cpu"),  # state at rest on the host
+    ],
+    ids=["hpz", "mics", "offload"],
+)
+def test_nnx_zeropp_and_offload_match_single_device(options):
+    batches = data(2)
+    with jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make(2)()
+        want = [float(nnx.jit(train_step)(ref_model, ref_opt, b)) for b in batches]
+    options = dict(options)
+    if options.pop("mesh", None):
+        options["mesh"] = zj.make_mesh(local=4)
+    zero = zj.zero_shard(stage=3, **options)
+    model, optimizer = zero.init(make(2))
+    step = zero(train_step)
+    got = [float(step(model, optimizer, b)) for b in batches]
+    assert step.used_explicit_collectives
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))
+    if "offload_param" in options:
+        assert model.blocks[0].up.kernel[...].sharding.memory_kind == "pinned_host"
