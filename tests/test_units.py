@@ -108,17 +108,24 @@ def test_units_from_outside_bound_the_peak_per_layer(scan):
 
 
 @pytest.mark.parametrize(
-    "scan, units",
-    [(True, "Block"), (False, "auto")]
-    + slow((False, "Block"), (True, "auto"), (True, r"block_\d+|blocks"), (False, r"block_\d+")),
+    "scan, units, buffers",
+    [(True, "Block", False), (False, "auto", False), (True, "Block", True)]
+    + slow(
+        (False, "Block", False),
+        (True, "auto", False),
+        (True, r"block_\d+|blocks", False),
+        (False, r"block_\d+", False),
+        (False, "auto", True),
+    ),
 )
-def test_units_from_outside_match_single_device_training(scan, units):
+def test_units_from_outside_match_single_device_training(scan, units, buffers):
     model, seq = Transformer(2, scan), 16
     data = [
         np.random.default_rng(i).integers(0, 128, (16, seq + 1), dtype=np.int32) for i in range(3)
     ]
     state = jax.device_put(init_fn(model, seq)(jax.random.key(0)), jax.devices()[0])
-    got, want, _ = train_both(zj.zero_shard(stage=3, units=units), step, state, data)
+    zero = zj.zero_shard(stage=3, units=units, unit_buffers=buffers)
+    got, want, _ = train_both(zero, step, state, data)
     assert_trees_close(got.params, want.params)
     assert_trees_close(got.opt_state, want.opt_state)
 
@@ -217,6 +224,27 @@ def test_plan_names_each_parameters_unit():
     assert plans["params/block_1/Dense_0/kernel"] == "block_1"
     assert plans["params/Embed_0/embedding"] is None
     assert all(p.unit is None for p in zero.plan(state))  # without the step: not known
+
+
+@pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
+def test_unit_buffers_take_two_gathers_and_one_reduce_scatter_per_unit(scan):
+    layers, batch = 3, jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    counts = {}
+    for buffers in (False, True):
+        zero = zj.zero_shard(stage=3, units="Block", unit_buffers=buffers)
+        state = zero.eval_shape(init_fn(Transformer(layers, scan), 16), jax.random.key(0))
+        table = zero.report(zero(step), state, batch).comm_table()
+        counts[buffers] = [
+            sum(c for (k, _), (c, *_) in table.items() if k == kind)
+            for kind in ("all-gather", "reduce-scatter")
+        ]
+    # the parameters no unit holds (embedding, head) are gathered once and reduced once each
+    plans = zero.plan(state, step=zero(step), batch=batch)
+    rest = sum(p.category == "params" and p.split_dim is not None and not p.unit for p in plans)
+    # a scanned stack's loop body is counted once per iteration
+    assert counts[True][0] <= 2 * layers + rest, counts  # forward, and again in backward
+    assert counts[True][1] <= layers + rest, counts
+    assert counts[False][0] > counts[True][0], counts  # leaf by leaf: one per leaf
 
 
 def closure_step(model):

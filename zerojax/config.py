@@ -60,19 +60,27 @@ class ZeroConfig:
 
     units: Any = "auto"
     r"""Stage 3: the modules whose parameters are gathered only while they run, chosen from
-    outside the model (Linen; see zerojax.flax.units). A regex or a tuple of them, matched whole
-    against module class names or paths ('Block', r'layers_\d+/mlp'); 'auto': the repeated
-    blocks (each scanned body, each of two or more same-class siblings), as FSDP2 wraps each
+    outside the model (Linen and NNX; see zerojax.flax.units). A regex or a tuple of them,
+    matched whole against module class names or paths ('Block', r'layers_\d+/mlp', NNX
+    'blocks/0'); 'auto': the repeated blocks (each scanned body, each of two or more
+    same-class siblings), as FSDP2 wraps each
     transformer block; () only the classes marked with `zj.flax.gather_on_use`. Parameters of
     no unit are gathered once at the start of the step and kept for backward. Stages 0-2
     gather nothing, so there it changes nothing (like prefetch)."""
 
+    unit_buffers: bool = False
+    """Stage 3 units: gather each unit's split weights as one buffer (one all-gather each way)
+    and reduce-scatter its gradients as one, instead of one collective per leaf. Fewer, larger
+    collectives, at the cost of copying the leaves out of the buffer (a unit's weights exist
+    twice for a moment: `bench/unit_collectives.py` measures both). Stages 0-2: no effect."""
+
     explicit_collectives: bool = True
-    """Gather parameters and reduce gradients with explicit collectives around the Linen model
-    (`state.apply_fn`, or a closure's `model.apply` on the batch): a real reduce-scatter for
-    stages 2-3 on every backend. False leaves every collective to XLA's partitioner, which on
-    CPU turns stage 2's reduce-scatter into an all-reduce. Steps that call no model zerojax can
-    run per device (NNX modules, `mutable=[...]`) always use XLA's collectives."""
+    """Gather parameters and reduce gradients with explicit collectives around the model (a
+    Linen `state.apply_fn` or closure's `model.apply` on the batch, an NNX model the step
+    receives): a real reduce-scatter for stages 2-3 on every backend. False leaves every
+    collective to XLA's partitioner, which on CPU turns stage 2's reduce-scatter into an
+    all-reduce. Steps that call no model zerojax can run per device (a Linen `mutable=[...]`
+    apply, an NNX model whose call writes its other state) always use XLA's collectives."""
 
     donate: bool = True
     """Donate the state buffers to the step so the new state reuses their memory."""
@@ -482,6 +490,7 @@ def _is_int(value) -> bool:
 
 _BOOLEANS = (
     "explicit_collectives",
+    "unit_buffers",
     "donate",
     "quantized_weights",
     "quantized_gradients",

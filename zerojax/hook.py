@@ -131,6 +131,7 @@ def hooked_apply_fn(
             prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
             units=frozenset(units),
+            unit_buffers=cfg.unit_buffers,
             split_dims={
                 path_str(p[1:]): plan.split_dim
                 for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)

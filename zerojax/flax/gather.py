@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax.core.tracers import current_trace
 
+from zerojax.comm.flat import pack_full, pack_shards, unpack_full, unpack_shards
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
     Comm,
@@ -60,6 +61,7 @@ class GatherContext:
     prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
+    unit_buffers: bool = False  # each unit's split leaves gathered / reduced as one buffer
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
 
 
@@ -179,11 +181,33 @@ def _anchor(ctx, direction: str, own, scanned: bool):
 
 
 def _gather(shards, dims, ctx):
-    def one(x, dim):
-        x = to_compute(x, ctx.compute_dtype)
-        return gather_weight(x, None if dim < 0 else dim, ctx.comm, x.dtype)
+    """The unit's weights, gathered leaf by leaf or (unit_buffers) as one buffer per dtype."""
+    flat, tree = jax.tree_util.tree_flatten(shards)
+    flat = [to_compute(x, ctx.compute_dtype) for x in flat]
+    split = [(i, d) for i, d in enumerate(jax.tree_util.tree_leaves(dims)) if d >= 0]
+    out = list(flat)
+    for group in _groups(split, flat, ctx):
+        parts = [(d, flat[i]) for i, d in group]
+        if len(group) == 1 and not ctx.unit_buffers:
+            (i, d), x = group[0], flat[group[0][0]]
+            out[i] = gather_weight(x, d, ctx.comm, x.dtype)
+            continue
+        buffer = pack_shards(parts)
+        full = unpack_full(gather_weight(buffer, 0, ctx.comm, buffer.dtype), parts)
+        for (i, _), x in zip(group, full, strict=True):
+            out[i] = x
+    return jax.tree_util.tree_unflatten(tree, out)
 
-    return jax.tree_util.tree_map(one, shards, dims)
+
+def _groups(split: list, flat: list, ctx) -> list:
+    """The (index, dim) lists gathered together: one per leaf, or with unit_buffers one per
+    dtype."""
+    if not ctx.unit_buffers:
+        return [[entry] for entry in split]
+    by_dtype: dict = {}
+    for i, d in split:
+        by_dtype.setdefault(flat[i].dtype, []).append((i, d))
+    return list(by_dtype.values())
 
 
 def _per_device(shards, dims, ctx):
@@ -204,15 +228,24 @@ def _per_device(shards, dims, ctx):
 
 
 def _scatter(grads, dims, shards, ctx, scale):
-    """Split leaves' gradients reduce-scattered now; whole leaves' left per device (summed by
-    `_per_device`'s transpose)."""
-
-    def one(g, dim, x):
-        if dim >= 0:
-            g = reduce_gradient(g, dim, ctx.comm, ctx.reduce_dtype, replicas=False)
-        return unscale(g, scale, x.dtype)
-
-    return jax.tree_util.tree_map(one, grads, dims, shards)
+    """Split leaves' gradients reduce-scattered now (leaf by leaf, or with unit_buffers as one
+    buffer per dtype); whole leaves' left per device (summed by `_per_device`'s transpose)."""
+    flat, tree = jax.tree_util.tree_flatten(grads)
+    local = jax.tree_util.tree_leaves(shards)
+    split = [(i, d) for i, d in enumerate(jax.tree_util.tree_leaves(dims)) if d >= 0]
+    out = list(flat)
+    reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
+    for group in _groups(split, flat, ctx):
+        if len(group) == 1 and not ctx.unit_buffers:
+            i, d = group[0]
+            out[i] = reduce(flat[i], d)
+            continue
+        buffer = pack_full([(d, flat[i]) for i, d in group], ctx.comm.shard_size)
+        mine = unpack_shards(reduce(buffer, 0), [(d, local[i]) for i, d in group])
+        for (i, _), g in zip(group, mine, strict=True):
+            out[i] = g
+    out = [unscale(g, scale, x.dtype) for g, x in zip(out, local, strict=True)]
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def _secondary(params, dims, ctx) -> list:
