@@ -29,13 +29,14 @@ def halves(batch):
     return [batch[: len(batch) // 2], batch[len(batch) // 2 :]]
 
 
-def test_nnx_accumulation_and_clipping_match_single_device():
+@pytest.mark.parametrize("stage", [3, 2])  # stage 2: accumulate='auto' is 'reduced' for NNX
+def test_nnx_accumulation_and_clipping_match_single_device(stage):
     batches = data(3)
     with jax.default_device(jax.devices()[0]):
         ref_model, ref_opt = make(optax.chain(optax.clip_by_global_norm(0.05), ADAMW()))()
         single = nnx.jit(train_step)
         want = [float(single(ref_model, ref_opt, b)) for b in batches]
-    zero = zj.zero_shard(stage=3, gradient_accumulation_steps=2, gradient_clipping=0.05)
+    zero = zj.zero_shard(stage=stage, gradient_accumulation_steps=2, gradient_clipping=0.05)
     model, optimizer = zero.init(make(ADAMW()))
     step = zero(train_step)
     got = []
@@ -73,7 +74,7 @@ def test_nnx_16_bit_params_follow_fp32_master_weights(precision, stage):
 @pytest.mark.parametrize(
     "options, fix",
     [
-        (dict(stage=2, gradient_accumulation_steps=2), "accumulate='reduced'"),
+        (dict(stage=2, gradient_accumulation_steps=2, accumulate="local"), "accumulate='reduced'"),
         (dict(stage=3, offload_optimizer="cpu", offload_update="host"), "offload_update='host'"),
     ],
 )

@@ -46,6 +46,12 @@ class _View:
     tx: Any = struct.field(pytree_node=False)
 
 
+def for_nnx(cfg: ZeroConfig) -> ZeroConfig:
+    """`cfg` as NNX objects are managed: accumulate='auto' means 'reduced' (each micro-batch's
+    gradients reduced at once), as local accumulation is not available for NNX yet."""
+    return cfg.replace(accumulate="reduced") if cfg.accumulate == "auto" else cfg
+
+
 def pair(objs: tuple, cfg: ZeroConfig) -> tuple[nnx.Module, nnx.Optimizer]:
     """The (model, optimizer) of a managed NNX step: the first module and the one optimizer."""
     optimizers = [o for o in objs if isinstance(o, nnx.Optimizer)]
@@ -77,6 +83,7 @@ def manage_objects(objs: tuple, cfg: ZeroConfig, axis_size: int) -> None:
     """Make `objs` (fresh objects: changed in place) managed as `cfg` trains them."""
     if is_managed(objs):
         return
+    cfg = for_nnx(cfg)
     model, optimizer = pair(objs, cfg)
     params = nnx.state(model, nnx.Param)
     view = _View(
@@ -114,7 +121,7 @@ class ManagedObjects:
     `optimizer.update` handed over."""
 
     def __init__(self, objs: tuple, cfg: ZeroConfig):
-        self.cfg = cfg
+        self.cfg = cfg = for_nnx(cfg)
         self.model, self.optimizer = pair(objs, cfg)
         params = nnx.state(self.model, nnx.Param)
         self.params = nnx.to_pure_dict(params)  # 16-bit, as stored
