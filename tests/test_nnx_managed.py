@@ -112,3 +112,24 @@ def test_nnx_16_bit_params_are_gathered_in_16_bits():
         rep = zero.report(zero(train_step), model, optimizer, batch)
         gathered[precision] = rep.bytes_of("all-gather")
     assert gathered["bf16"] == gathered["fp32"] // 2, gathered
+
+
+def test_nnx_with_zeropp_unit_buffers_and_bf16_trains_close_to_one_device():
+    batches = data(3)
+    with jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make(ADAMW())()
+        want = [float(nnx.jit(train_step)(ref_model, ref_opt, b)) for b in batches]
+    zero = zj.zero_shard(
+        stage=3,
+        mesh=zj.make_mesh(local=4),
+        precision="bf16",
+        quantized_weights=True,  # qwZ: int8 weight gathers
+        quantized_gradients=True,  # qgZ: int4 gradient reduce-scatters
+        hpz_partition_size=4,  # hpZ: backward gathers inside the node
+        unit_buffers=True,
+    )
+    model, optimizer = zero.init(make(ADAMW()))
+    step = zero(train_step)
+    got = [float(step(model, optimizer, b)) for b in batches]
+    assert step.used_explicit_collectives
+    np.testing.assert_allclose(got, want, rtol=2e-3)  # int8 / int4 / bf16 rounding

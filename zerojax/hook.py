@@ -333,7 +333,8 @@ def _check_outputs(out, local_rows: set):
     for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
         if np.ndim(leaf) == 0 or np.shape(leaf)[0] not in local_rows:
             raise ApplyHookError(
-                f"zerojax: state.apply_fn returned {jax.tree_util.keystr(path) or 'its output'} "
+                f"zerojax: the model (state.apply_fn, model.apply or an NNX model) returned "
+                f"{jax.tree_util.keystr(path) or 'its output'} "
                 f"with shape {np.shape(leaf)}, whose leading dimension is not the per-device "
                 f"batch {sorted(local_rows)}; explicit collectives need every output to be "
                 "per-example. Return per-example outputs (reduce them in the loss), or use "
