@@ -39,9 +39,7 @@ def main():
     init_fn = make_init(LM(CFG), optax.adamw(1e-3))
     batch = jax.ShapeDtypeStruct((8, CFG.seq_len + 1), jnp.int32)
     results = {}
-    print(
-        f"example LM '{'tiny'}' ({CFG.n_layers} layers, scanned={CFG.scan_layers}), stage 3, N = 8"
-    )
+    print(f"example LM 'tiny' ({CFG.n_layers} layers, scanned={CFG.scan_layers}), stage 3, N = 8")
     print(
         f"{'units':>16} {'unit_buffers':>12} {'units/step':>10} {'all-gather':>10} "
         f"{'reduce-scatter':>14} {'AG/unit':>8} {'RS/unit':>8} {'peak MiB':>9}"
