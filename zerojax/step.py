@@ -210,7 +210,12 @@ class ZeroStep:
         state; the objects' calls on the batch run through the per-device hook, and a managed
         update is applied as for a TrainState (`flax.nnx_managed`)."""
         cfg = self.zero.config
-        state = to_device(jax.lax.with_sharding_constraint(state, shardings), shardings)
+        host_update = cfg.offload_update == "host"
+        state = to_device(
+            jax.lax.with_sharding_constraint(state, shardings),
+            shardings,
+            keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None,
+        )
         objs, calls, self._fallback_reasons = objects.merge(state), [], []
         managed = ManagedObjects(objs, cfg) if cfg.manages_update else None
         hooked = contextlib.nullcontext()
@@ -229,7 +234,22 @@ class ZeroStep:
                 "fp32 (give the model a bf16 dtype for 16-bit compute)."
             )
         if managed:
-            managed.finish(_one_capture(sink), micro)
+            run = None
+            if host_update:  # the objects hold the state's arrays: their shardings by identity
+                by_id = {
+                    id(x): sh
+                    for x, sh in zip(
+                        *map(jax.tree_util.tree_leaves, (state, shardings)), strict=True
+                    )
+                }
+                opt = zero_opt_state(shardings)
+                run = self._host_optimizer(
+                    opt.master if present(opt.master) else shardings[PARAMS],
+                    jax.tree_util.tree_map(lambda x: by_id[id(x)], managed.before.opt_state.inner),
+                    managed.params,
+                    layout,
+                )
+            managed.finish(_one_capture(sink), micro, run)
         new = objects.to_state(objs)
         master = getattr(zero_opt_state(shardings), "master", ())
         if cfg.precision != "fp32" and not micro and _same_structure(new[PARAMS], master):
@@ -296,25 +316,23 @@ class ZeroStep:
         cfg = self.zero.config
         if cfg.offload_update != "host":
             return apply_update(new_state, old_step, grads, cfg)
-        mesh, opt = self.zero.mesh, shardings.opt_state
-        grads_sh = jax.tree_util.tree_map(  # gradients split like the master
+        opt = shardings.opt_state
+        master = opt.master if present(opt.master) else shardings.params
+        run = self._host_optimizer(master, opt.inner, new_state.params, layout)
+        return apply_update(new_state, old_step, grads, cfg, run_optimizer=run)
+
+    def _host_optimizer(self, master, inner, params, layout):
+        """`run_optimizer` of `optim.apply_update` for offload_update='host': the user's optax
+        step on the host CPU. `master`, `inner`: their storage shardings; the gradients travel
+        split like the master (`params`' sharded specs)."""
+        mesh = self.zero.mesh
+        grads = jax.tree_util.tree_map(
             lambda spec: NamedSharding(mesh, spec),
-            layout.param_specs(new_state.params, "sharded_spec"),
+            layout.param_specs(params, "sharded_spec"),
             is_leaf=lambda x: isinstance(x, P),
         )
-        host = (
-            opt.master if present(opt.master) else shardings.params,
-            opt.inner,
-            grads_sh,
-            NamedSharding(mesh, P()),
-        )
-        return apply_update(
-            new_state,
-            old_step,
-            grads,
-            cfg,
-            run_optimizer=functools.partial(optimizer_on_host, shardings=host),
-        )
+        host = (master, inner, grads, NamedSharding(mesh, P()))
+        return functools.partial(optimizer_on_host, shardings=host)
 
     def _traced_local(self, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm

@@ -61,16 +61,10 @@ def pair(objs: tuple, cfg: ZeroConfig) -> tuple[nnx.Module, nnx.Optimizer]:
             "precision, accumulation and clipping manage one NNX model and its nnx.Optimizer: "
             f"pass (model, optimizer), got {tuple(type(o).__name__ for o in objs)}."
         )
-    if cfg.accumulates_locally or cfg.offload_update == "host":
-        option = "accumulate='local'" if cfg.accumulates_locally else "offload_update='host'"
+    if cfg.accumulates_locally:
         raise ZeroError(
-            f"{option} is not available for NNX objects yet: use "
-            + (
-                "accumulate='reduced' (each micro-batch's gradients reduced at once)."
-                if cfg.accumulates_locally
-                else "offload_optimizer without offload_update='host' (the update runs on "
-                "the device, its state rests on the host)."
-            )
+            "accumulate='local' is not available for NNX objects yet: use accumulate='reduced' "
+            "(or 'auto'; each micro-batch's gradients reduced at once)."
         )
     return models[0], optimizers[0]
 
@@ -138,16 +132,17 @@ class ManagedObjects:
     def scale(self):
         return self.before.opt_state.scale if self.cfg.precision == "fp16" else None
 
-    def finish(self, grads, micro: bool) -> None:
+    def finish(self, grads, micro: bool, run_optimizer=None) -> None:
         """Write the update of `grads` (or, for a micro-batch, their accumulation) into the
-        objects, whatever the step's `optimizer.update` did to them."""
+        objects, whatever the step's `optimizer.update` did to them; `run_optimizer` as for
+        `optim.apply_update` (the host update)."""
         grads = nnx.to_pure_dict(grads) if isinstance(grads, nnx.State) else grads
         if micro:
             after = dataclasses.replace(
                 self.before, opt_state=accumulate(self.before.opt_state, grads)
             )
         else:
-            after = apply_update(self.before, self.before.step, grads, self.cfg)
+            after = apply_update(self.before, self.before.step, grads, self.cfg, run_optimizer)
         _set_params(self.model, self.params if micro else after.params)
         nnx.update(self.optimizer.opt_state, nnx.state(after.opt_state.inner))
         self.optimizer.step.set_value(jnp.asarray(after.step, self.before.step.dtype))
