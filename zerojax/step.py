@@ -7,7 +7,9 @@ Three ways to trace it, by configuration:
   applies the update on the fp32 master weights in XLA's global view (`optim.apply_update`);
 - local accumulation (stages 0-2, k > 1): the whole step runs per device, as under DDP's
   `no_sync`: each device sums its own gradients, and only the k-th micro-batch reduces them,
-  once, before the same `apply_update`.
+  once, before the same `apply_update` (`zerojax.local_step`).
+NNX objects take the first two ways (`_traced_objects`). What the user's step returns is read
+by `zerojax.outputs`.
 """
 
 from __future__ import annotations
@@ -23,23 +25,22 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.nnx_managed import ManagedObjects
-from zerojax.hook import hooked_apply_fn, linen_calls_hooked, local_apply_fn, nnx_calls_hooked
+from zerojax.hook import hooked_apply_fn, linen_calls_hooked, nnx_calls_hooked
+from zerojax.local_step import local_body
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
-    DTYPES,
     accumulate,
     apply_update,
     capture_gradients,
     cast_floating,
     present,
-    update_metrics,
     zero_opt_state,
 )
-from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed, split_dim
+from zerojax.outputs import finish, one_capture, same_structure, split_output, with_metrics
+from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed
 from zerojax.state import Boundary, split_call
 
 
@@ -203,7 +204,7 @@ class ZeroStep:
             out = self._traced_local(layout, shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
-        return _finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
+        return finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
 
     def _traced_objects(self, objects, layout, shardings, batch_rows, micro, state, batch, *extra):
         """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
@@ -249,10 +250,10 @@ class ZeroStep:
                     managed.params,
                     layout,
                 )
-            managed.finish(_one_capture(sink), micro, run)
+            managed.finish(one_capture(sink), micro, run)
         new = objects.to_state(objs)
         master = getattr(zero_opt_state(shardings), "master", ())
-        if cfg.precision != "fp32" and not micro and _same_structure(new[PARAMS], master):
+        if cfg.precision != "fp32" and not micro and same_structure(new[PARAMS], master):
             new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
         return to_storage(new, shardings), out
 
@@ -296,12 +297,12 @@ class ZeroStep:
         with capture_gradients() as sink, hooked:
             out = self.fn(view, batch, *extra)
         self._traced_calls(calls)
-        new_state, rest = _split(out, state)
+        new_state, rest = split_output(out, state)
         if original is not None:
             new_state = new_state.replace(apply_fn=original)
         if not managed:
             return (new_state, *rest) if rest is not None else new_state
-        grads = _one_capture(sink)
+        grads = one_capture(sink)
         new_state = new_state.replace(params=state.params, opt_state=state.opt_state)
         if micro:
             new_state = new_state.replace(
@@ -309,7 +310,7 @@ class ZeroStep:
             )
         else:
             new_state = self._update(layout, shardings, new_state, state.step, grads)
-        return _with_metrics(new_state, rest)
+        return with_metrics(new_state, rest)
 
     def _update(self, layout, shardings, new_state, old_step, grads):
         """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
@@ -336,53 +337,13 @@ class ZeroStep:
 
     def _traced_local(self, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
-        axis, n = comm.data_axis, comm.data_size
         specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
         param_grad_specs = layout.param_specs(state.params, "grad_spec")
-        original, calls = state.apply_fn, []
-        scale = state.opt_state.scale if cfg.precision == "fp16" else None
-
-        def body(state, batch, extra):
-            view = state.replace(
-                params=cast_floating(state.params, jnp.float32),
-                apply_fn=local_apply_fn(original, cfg, calls, scale),
-            )
-            with capture_gradients() as sink:
-                out = self.fn(view, batch, *extra)
-            grads = _one_capture(sink)
-            new_state, rest = _split(out, state)
-            opt = state.opt_state
-            sums = jax.tree_util.tree_map(
-                lambda a, g: a + g[None].astype(a.dtype), opt.per_device, grads
-            )
-            reduced = ()
-            if not micro:  # one reduction per optimizer step; the mean over devices, as DDP
-                reduced = jax.tree_util.tree_map(
-                    lambda s, spec: (
-                        reduce_gradient(
-                            s[0],
-                            split_dim(spec, comm.shard_axis),
-                            comm,
-                            DTYPES[cfg.grad_reduce_dtype],
-                        ).astype(jnp.float32)
-                        / n
-                    ),
-                    sums,
-                    param_grad_specs,
-                )
-                sums = jax.tree_util.tree_map(jnp.zeros_like, sums)
-            new_state = _sync_other_fields(
-                new_state.replace(
-                    params=state.params,
-                    opt_state=opt._replace(per_device=sums),
-                    step=state.step,
-                    apply_fn=original,
-                ),
-                axis,
-            )
-            return new_state, reduced, _device_mean(rest, axis)
-
-        batch_specs = jax.tree_util.tree_map(lambda x: P(axis) if np.ndim(x) else P(), batch)
+        calls: list = []
+        body = functools.partial(local_body, self.fn, cfg, comm, param_grad_specs, calls, micro)
+        batch_specs = jax.tree_util.tree_map(
+            lambda x: P(comm.data_axis) if np.ndim(x) else P(), batch
+        )
         new_state, reduced, rest = jax.shard_map(
             body,
             mesh=mesh,
@@ -395,7 +356,7 @@ class ZeroStep:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
         else:
             new_state = self._update(layout, shardings, new_state, state.step, reduced)
-        return _with_metrics(new_state, rest)
+        return with_metrics(new_state, rest)
 
     def _fallback_reason(self) -> str:
         """Why the last traced step placed no explicit collectives."""
@@ -427,100 +388,3 @@ class ZeroStep:
                 category=ZeroWarning,
                 stacklevel=3,
             )
-
-
-def _from_device_0(tree, axis):
-    """Every device takes device 0's value of each leaf (state fields a per-device step may
-    have changed differently on each device)."""
-
-    def pick(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(
-                pick(jax.random.key_data(x)), impl=jax.random.key_impl(x)
-            )
-        return jax.lax.all_gather(x, axis)[0]
-
-    return jax.tree_util.tree_map(pick, tree)
-
-
-def _sync_other_fields(state, axis):
-    """Fields besides params and opt_state (an rng, user counters) from device 0."""
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else _from_device_0(x, axis), state
-    )
-
-
-def _device_mean(tree, axis):
-    """Floating metrics averaged over devices (each saw its own slice), others from device 0."""
-    if tree is None:
-        return None
-    return jax.tree_util.tree_map(
-        lambda x: (
-            jax.lax.pmean(x, axis)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-            else _from_device_0(x, axis)
-        ),
-        tree,
-    )
-
-
-def _one_capture(sink):
-    if len(sink) != 1:
-        raise ZeroError(
-            "a zerojax step must call state.apply_gradients (NNX: optimizer.update) exactly "
-            f"once (it was "
-            f"called {len(sink)} times)."
-        )
-    return sink[0]
-
-
-def _split(out, state):
-    """(new state, the rest of the step's outputs as a tuple, or None if it returned a state)."""
-    if _is_state(out, state):
-        return out, None
-    if isinstance(out, tuple) and out and _is_state(out[0], state):
-        return out[0], tuple(out[1:])
-    raise ZeroError(
-        "a zerojax step must return the new state, or a tuple whose first item "
-        f"is the new state ({type(state).__name__})."
-    )
-
-
-def _same_structure(a, b) -> bool:
-    return bool(jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b))  # type: ignore[operator]
-
-
-def _is_state(x, state) -> bool:
-    """Whether `x` is a new state for `state`: of its type, and for a plain tuple state
-    `(params, opt_state)` also of its tree structure (a `(state, metrics)` pair is a tuple too)."""
-    if type(x) is not type(state):
-        return False
-    if type(state) is tuple:
-        return bool(jax.tree_util.tree_structure(x) == jax.tree_util.tree_structure(state))  # type: ignore[operator]
-    return True
-
-
-def _with_metrics(new_state, rest):
-    """Add the update's metrics to a metrics dict the step returned (keys it has win)."""
-    if rest is None:
-        return new_state
-    if rest and isinstance(rest[0], dict):
-        rest = ({**update_metrics(new_state.opt_state), **rest[0]}, *rest[1:])
-    return (new_state, *rest)
-
-
-def _finish(out, state, shardings, cast: bool):
-    """Pin the returned state (alone, or first of a tuple) to the storage shardings; with
-    `cast`, new 16-bit params are laid out like their fp32 master first, so that stages 1-2
-    all-gather them in 16 bits (XLA would otherwise gather the fp32 master and cast after)."""
-    new, rest = _split(out, state)
-    if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(shardings):  # type: ignore[operator]
-        raise ZeroError(
-            "the state a zerojax step returns must have the structure of the state "
-            f"it received ({type(state).__name__}); did the step add or drop fields?"
-        )
-    if cast:  # NNX objects: the same in ZeroStep._traced_objects
-        master = shardings.opt_state.master
-        new = new.replace(params=jax.lax.with_sharding_constraint(new.params, master))
-    new = to_storage(new, shardings)
-    return new if rest is None else (new, *rest)
