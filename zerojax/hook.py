@@ -229,7 +229,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple, reason
         if _RUNNING_MODEL.get() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
             return call(module, *args, **kwargs)
         graphdef, params, rest = split_params(module)
-        changed = _changes_state(module, call, args, kwargs)
+        changed = _changes_state(graphdef, params, rest, call, args, kwargs)
         if changed:
             reasons.append(f"calling the NNX model changes its {', '.join(changed)} state")
             return call(module, *args, **kwargs)
@@ -249,10 +249,9 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple, reason
         yield
 
 
-def _changes_state(module, call, args, kwargs) -> list:
-    """The types of the NNX variables other than nnx.Param that calling `module` writes (found
-    by one abstract trace of the call)."""
-    graphdef, params, rest = split_params(module)
+def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:
+    """The types of the NNX variables other than nnx.Param that calling the module split into
+    (graphdef, params, rest) writes (found by one abstract trace of the call)."""
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if _is_array(x)]
     written: list = []
