@@ -270,7 +270,9 @@ def test_export_streams_leaf_by_leaf():
     from export_memory import measure
 
     result = measure()
-    # 1 GiB of parameters, 64 MiB largest leaf: the exporting process stays under 400 MB
-    # (interpreter + jax + orbax ~190 MiB, plus a few copies of one leaf)
+    # 1 GiB of parameters, 64 MiB largest leaf: above what `checkpoint info` needs (interpreter,
+    # jax, orbax: ~200 MiB, more or less by machine) the export holds a few copies of one leaf
+    # (about 2 measured), never the model
     assert result["total_bytes"] == 2**30 and result["file_bytes"] > 2**30
-    assert result["export_peak_rss_bytes"] < 400e6
+    above = result["export_peak_rss_bytes"] - result["baseline_rss_bytes"]
+    assert above < 4 * result["largest_leaf_bytes"], above
