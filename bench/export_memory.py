@@ -49,6 +49,7 @@ def measure() -> dict:
             "print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]);"
             " sys.exit(rc)"
         )
+
         def peak_rss(*args: str) -> int:
             done = subprocess.run(
                 [sys.executable, "-c", code, "checkpoint", *args, os.path.join(tmp, "ckpt")],
