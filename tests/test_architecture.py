@@ -140,7 +140,6 @@ def _specs(zero, state):
 
 
 @pytest.mark.filterwarnings("ignore:zerojax. logical_rules has nothing to map")
-@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
 def test_one_zero_with_two_models_keeps_their_layouts_apart():
     fresh = zj.zero_shard(stage=3, mesh=mesh_2d(), logical_rules=RULES)
     alone = fresh.init(plain_init, jax.random.key(0))
@@ -163,7 +162,6 @@ def test_one_zero_with_two_models_keeps_their_layouts_apart():
     assert "model" not in str(want["params/Dense_0/kernel"])
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
 def test_a_zero_keeps_nothing_between_calls_but_its_layout_cache():
     """A tensor-parallel layout is read from the state each time (its boxes, or the shardings
     of a placed state), never remembered: a zero that has seen the state's model before plans
@@ -196,7 +194,6 @@ def build():
     return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. calling the NNX model changes its Rng")
 def test_every_public_function_takes_nnx_objects_with_rng_streams(tmp_path):
     zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer = zero.init(build)

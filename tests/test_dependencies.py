@@ -60,3 +60,30 @@ def test_shard_map_values_say_which_axes_they_vary_over():
         "zerojax.flax.gather._per_device reads it to cast a unit's whole leaves to per-device "
         f"values only over the axes they do not vary over yet (got {seen}); find its new name."
     )
+
+
+def test_flax_rng_counters_nest_per_child_scope():
+    import inspect
+
+    import flax.linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(x)
+
+    bound = Net().bind({}, rngs={"dropout": jax.random.key(0)})
+    bound(np.ones(4, np.float32))
+    nested = {
+        key[1]: value for key, value in bound.scope.rng_counters.items() if isinstance(key, tuple)
+    }
+    assert nested.get("Dropout_0") == {"dropout": 1}, (
+        "flax.core.scope.Scope.rng_counters no longer keeps each child's counters in a nested "
+        "dict keyed (sentinel, child name): zerojax.flax.gather.gather_unit copies a unit's "
+        "counters into the scope it applies the unit in, so its submodules draw the keys they "
+        f"would draw bound; find where Flax keeps them now (got {bound.scope.rng_counters})."
+    )
+    assert "_deep_clone" in inspect.signature(nn.Module.clone).parameters, (
+        "flax.linen.Module.clone lost `_deep_clone`: zerojax.flax.gather.gather_unit clones a "
+        "unit onto its scope the way Module.apply does; follow Module.apply's new way there."
+    )

@@ -47,7 +47,6 @@ def test_nnx_stage_matches_single_device(stage):
     assert int(optimizer.step[...]) == len(DATA)
 
 
-@pytest.mark.filterwarnings("ignore:zerojax. the mesh has tensor-parallel axes")
 def test_nnx_sharding_metadata_composes_with_zero_on_a_2d_mesh():
     class MLP(nnx.Module):
         def __init__(self, rngs):

@@ -145,7 +145,7 @@ def train_both(zero, fn, state, data):
     return got, want, got_step
 
 
-def test_units_that_match_nothing_and_the_model_with_dropout():
+def test_named_units_of_a_model_with_dropout():
     state0 = init_fn(Transformer(2, False, dropout=0.1), 16)(jax.random.key(0))
     batch = np.zeros((8, 17), np.int32)
 
@@ -156,15 +156,14 @@ def test_units_that_match_nothing_and_the_model_with_dropout():
 
         return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
 
-    # named explicitly, a unit that cannot take RNG streams yet is an error naming it
+    # named explicitly, units take the model's RNG streams (tests/test_randomness.py: the
+    # same masks as without units)
     zero = zj.zero_shard(stage=3, units="Block")
-    with pytest.raises(zj.ZeroError, match=r"module block_0 \(Block\) cannot be a stage-3 unit"):
-        zero(dropout_step).trace(zero.shard(state0), batch, jax.random.key(1))
-    # 'auto' says which blocks it leaves whole and why, and still trains
-    zero = zj.zero_shard(stage=3)
-    with pytest.warns(zj.ZeroWarning, match="gathers block_0, block_1 whole .* RNG streams"):
-        new = zero(dropout_step)(zero.shard(state0), batch, jax.random.key(1))
-    assert int(new.step) == 1
+    step = zero(dropout_step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zj.ZeroWarning)
+        new = step(zero.shard(state0), batch, jax.random.key(1))
+    assert int(new.step) == 1 and step.units == ("block_0", "block_1")
 
 
 @pytest.mark.parametrize(

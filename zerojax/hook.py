@@ -25,8 +25,9 @@ from flax.core.scope import Scope
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
-from zerojax.comm.hierarchy import Comm
+from zerojax.comm.hierarchy import Comm, manual_over_data
 from zerojax.config import ZeroConfig, ZeroError
+from zerojax.device_values import combine_state, fold_keys
 from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import GatherContext, gather_context, inside_unit
 from zerojax.flax.nnx_calls import routed, split_params, with_params
@@ -36,6 +37,7 @@ from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, StateLayout, key_name, path_str
 
 _RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
+NNX_STATE = "nnx_state"  # the key an NNX model's other state travels under through the hook
 
 
 class ApplyHookError(ZeroError):
@@ -73,12 +75,17 @@ def hooked_apply_fn(
     batch_rows: set,
     calls: list,
     scale=None,
+    stateful: bool | None = None,
 ):
     """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
     parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
     dims of the step's batch leaves), each call appends its stage-3 units to `calls`, and
-    `scale` is the fp16 loss scale (None without loss scaling)."""
+    `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
+    returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
+    `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). See
+    `zerojax.device_values` for what each device draws and how written state becomes one."""
     n, dtypes_reduce = comm.data_size, DTYPES[cfg.grad_reduce_dtype]
+    linen = stateful is None
 
     def plans(variables) -> list:
         """Per variable leaf: the state's plan of that parameter (None for other leaves)."""
@@ -88,17 +95,24 @@ def hooked_apply_fn(
         ]
 
     def apply(variables, *args, **kwargs):
+        returns_state = _linen_stateful(kwargs) if linen else stateful
+        rngs = _rngs_dict(kwargs.pop("rngs", None)) if linen else None
         flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         leaf_plans = plans(variables)
+        is_param = [bool(p) and key_name(p[0]) == PARAMS for p, _ in flat_vars]
         store = tuple(P() if p is None else p.spec for p in leaf_plans)
         grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
         # stage 3: leaves of units enter as shards and are gathered per unit
-        units = _units(apply_fn, variables, args, kwargs, cfg) if cfg.shards_parameters else ()
+        units = ()
+        if cfg.shards_parameters:
+            keys = {} if rngs is None else {"rngs": rngs}
+            units = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
         calls.append(frozenset(units))
         prefixes = tuple(u + "/" for u in units)
         claimed = [
-            key_name(p[0]) == PARAMS and path_str(p[1:]).startswith(prefixes) for p, _ in flat_vars
+            param and path_str(p[1:]).startswith(prefixes)
+            for param, (p, _) in zip(is_param, flat_vars, strict=True)
         ]
         if comm.secondary and not any(claimed):
             warnings.warn(
@@ -108,7 +122,9 @@ def hooked_apply_fn(
                 category=ZeroWarning,
                 stacklevel=2,
             )
-        whole = [i for i, c in enumerate(claimed) if not c]
+        whole = [i for i, c in enumerate(claimed) if is_param[i] and not c]
+        others = tuple(x for x, param in zip(leaves, is_param, strict=True) if not param)
+        given = {p: x for (p, x), param in zip(flat_vars, is_param, strict=True) if not param}
         compute = _compute_dtypes(variables, cfg)
         copies = device_copies(
             tuple(leaves[i] for i in whole),
@@ -158,39 +174,74 @@ def hooked_apply_fn(
 
         model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
 
-        def body(copies, shards, values, scale):
-            copies, shards = iter(copies), iter(shards)
+        def body(copies, shards, others, rngs, values, scale):
+            axis, local_rows = comm.data_axis, {r // n for r in batch_rows}
+            copies, shards, folded = iter(copies), iter(shards), iter(fold_keys(others, axis))
             variables_local = jax.tree_util.tree_unflatten(
-                var_tree, [next(shards) if c else next(copies)[0] for c in claimed]
+                var_tree,
+                [
+                    next(folded) if not param else next(shards) if c else next(copies)[0]
+                    for param, c in zip(is_param, claimed, strict=True)
+                ],
             )
             # the scale: an argument, no outer tracer
             ctx = dataclasses.replace(gather_ctx, scale=scale) if units else None
+            extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
             with gather_context(ctx), nn.intercept_methods(intercept):
-                out = model(variables_local, values)
-            _check_outputs(out, {r // n for r in batch_rows})
-            return out
+                out = model(variables_local, values, extra)
+            if not returns_state:
+                _check_outputs(out, local_rows)
+                return out
+            out, written = _split_stateful(out)
+            _check_outputs(out, local_rows)
+            received = dict(zip(given, others, strict=True))  # unfolded, keyed as written
+            return out, combine_state(written, received, axis, local_rows)
 
         shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
-        out = jax.shard_map(
+        out = manual_over_data(
             body,
-            mesh=mesh,
-            in_specs=(tuple(batch_spec for _ in whole), shard_specs, in_specs, P()),
-            out_specs=batch_spec,
-        )(copies, shards, tuple(flat[i] for i in dynamic), scale)
+            mesh,
+            comm,
+            (tuple(batch_spec for _ in whole), shard_specs, P(), P(), in_specs, P()),
+            (batch_spec, P()) if returns_state else batch_spec,
+        )(copies, shards, others, rngs, tuple(flat[i] for i in dynamic), scale)
+        if returns_state:
+            out, written = out
+            out = out if scale is None else scale_cotangent(out, scale)
+            return out, written
         return out if scale is None else scale_cotangent(out, scale)
 
     return apply
+
+
+def _linen_stateful(kwargs) -> bool:
+    """Whether a Linen `apply` called with `kwargs` returns `(outputs, mutated variables)`."""
+    return kwargs.get("mutable", False) is not False or bool(kwargs.get("capture_intermediates"))
+
+
+def _rngs_dict(rngs):
+    """Linen's `rngs=` as a dict (one key is shorthand for {'params': key})."""
+    return rngs if rngs is None or isinstance(rngs, dict) else {"params": rngs}
+
+
+def _split_stateful(out):
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ApplyHookError(
+            "zerojax: a model applied with mutable collections returned "
+            f"{type(out).__name__}, not (outputs, mutated variables)."
+        )
+    return out
 
 
 def _model(apply_fn, flat: list, positions: list, tree, offload_activations: bool):
     """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
     over, rematerialised with the activation-offload policy when offload_activations is on."""
 
-    def model(variables, values):
+    def model(variables, values, extra=None):
         args, kwargs = _with_values(flat, positions, values, tree)
         token = _RUNNING_MODEL.set(True)  # its own module calls are not hooked again
         try:
-            return apply_fn(variables, *args, **kwargs)
+            return apply_fn(variables, *args, **kwargs, **(extra or {}))
         finally:
             _RUNNING_MODEL.reset(token)
 
@@ -202,48 +253,63 @@ def linen_calls_hooked(hook, batch_rows: set):
     """Inside, a Linen model applied anywhere in the step (`model.apply` on a module captured
     in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
     `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
-    dimension), not initializing, without mutable collections, its RNG streams plain keys."""
+    dimension), not initializing, its RNG streams plain keys. Collections it mutates are
+    written back combined (`zerojax.device_values`)."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
         if not _hookable(module, (args, kwargs), batch_rows):
             return next_fun(*args, **kwargs)
-        rngs = {name: rng.rng for name, rng in module.scope.rngs.items()}
+        scope = module.scope
         plain, method = module.clone(parent=None), context.method_name
         run = lambda variables, *a, **k: plain.apply(variables, *a, method=method, **k)
-        extra = {"rngs": rngs} if rngs else {}
-        return hook(run)(dict(module.variables), *args, **extra, **kwargs)
+        extra = {"rngs": {name: rng.rng for name, rng in scope.rngs.items()}} if scope.rngs else {}
+        if scope.mutable is not False:
+            extra["mutable"] = scope.mutable
+        out = hook(run)(dict(module.variables), *args, **extra, **kwargs)
+        if scope.mutable is False:
+            return out
+        out, written = out
+        for col, tree in written.items():
+            for name, value in tree.items() if col != PARAMS else ():
+                scope.put_variable(col, name, value)
+        return out
 
     with nn.intercept_methods(intercept):
         yield
 
 
 @contextlib.contextmanager
-def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple, reasons: list):
+def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
     """Inside, a call on the batch of an NNX module the step received (`objs`, merged for this
     step; `prefixes`: the keys their parameters sit under in the state) runs through
-    `hook(apply)`, the per-device `hooked_apply_fn`, unless the call changes the module's other
-    NNX state (RNG streams, batch statistics): then it runs as is, and `reasons` says why."""
+    `hook(apply, stateful)`, the per-device `hooked_apply_fn`. A call that changes the module's
+    other NNX state (RNG counts, batch statistics) is given that state and writes back what
+    the devices' calls wrote, combined (`zerojax.device_values`)."""
 
     def handle(module, call, prefix: str, args, kwargs):
         if _RUNNING_MODEL.get() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
             return call(module, *args, **kwargs)
         graphdef, params, rest = split_params(module)
-        changed = _changes_state(graphdef, params, rest, call, args, kwargs)
-        if changed:
-            reasons.append(f"calling the NNX model changes its {', '.join(changed)} state")
-            return call(module, *args, **kwargs)
+        stateful = bool(_changes_state(graphdef, params, rest, call, args, kwargs))
 
         def apply(variables, *a, **k):
             pure = variables[PARAMS]
             for key in prefix.split("/") if prefix else ():
                 pure = pure[key]
-            return call(nnx.merge(graphdef, with_params(params, pure), rest), *a, **k)
+            copy = nnx.merge(graphdef, with_params(params, pure), variables.get(NNX_STATE, rest))
+            out = call(copy, *a, **k)
+            return (out, {NNX_STATE: nnx.state(copy, nnx.Not(nnx.Param))}) if stateful else out
 
         pure = nnx.to_pure_dict(params)
         for key in reversed(prefix.split("/") if prefix else ()):
             pure = {key: pure}
-        return hook(apply)({PARAMS: pure}, *args, **kwargs)
+        variables = {PARAMS: pure, **({NNX_STATE: rest} if stateful else {})}
+        out = hook(apply, stateful)(variables, *args, **kwargs)
+        if stateful:
+            out, written = out
+            nnx.update(module, written[NNX_STATE])
+        return out
 
     with routed(objs, prefixes, handle):
         yield
@@ -286,7 +352,7 @@ def _hookable(module, call_args, batch_rows: set) -> bool:
     scope = module.scope
     if _RUNNING_MODEL.get() or inside_unit() or module.path or scope is None:
         return False
-    if not isinstance(module.parent, Scope) or module.is_initializing() or scope.mutable:
+    if not isinstance(module.parent, Scope) or module.is_initializing():
         return False
     if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
         return False
@@ -307,12 +373,17 @@ def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
     return select_units(found, cfg.units)
 
 
-def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
-    """`apply_fn` for steps that already run per device: compute-dtype casts and loss scaling,
-    no collectives (the step reduces the gradients itself)."""
+def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, axis, local_rows: set, scale=None):
+    """`apply_fn` for steps that already run per device (over the data axes `axis`, on
+    batches of `local_rows` rows): compute-dtype casts and loss scaling, each device's own RNG
+    stream and written state combined (`zerojax.device_values`), no gradient collectives (the
+    step reduces the gradients itself)."""
 
     def apply(variables, *args, **kwargs):
         calls.append(frozenset())
+        stateful, rngs = _linen_stateful(kwargs), kwargs.pop("rngs", None)
+        if rngs is not None:
+            kwargs["rngs"] = fold_keys(_rngs_dict(rngs), axis, raw=True)
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         copies = compute_copies(
             tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))
@@ -323,7 +394,13 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, scale=None):
         out = model(
             jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)
         )
-        return out if scale is None else scale_cotangent(out, scale)
+        written = None
+        if stateful:
+            out, written = _split_stateful(out)
+            given = dict(jax.tree_util.tree_flatten_with_path(variables)[0])
+            written = combine_state(written, given, axis, local_rows)
+        out = out if scale is None else scale_cotangent(out, scale)
+        return out if written is None else (out, written)
 
     return apply
 

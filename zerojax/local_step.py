@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.comm.hierarchy import reduce_gradient
+from zerojax.device_values import device_mean, from_device_0
 from zerojax.hook import local_apply_fn
 from zerojax.optim import DTYPES, capture_gradients, cast_floating
 from zerojax.outputs import one_capture, split_output
@@ -26,7 +27,7 @@ def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extr
     scale = state.opt_state.scale if cfg.precision == "fp16" else None
     view = state.replace(
         params=cast_floating(state.params, jnp.float32),
-        apply_fn=local_apply_fn(original, cfg, calls, scale),
+        apply_fn=local_apply_fn(original, cfg, calls, axis, local_rows(batch), scale),
     )
     with capture_gradients() as sink:
         out = fn(view, batch, *extra)
@@ -59,39 +60,16 @@ def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extr
         ),
         axis,
     )
-    return new_state, reduced, _device_mean(rest, axis)
+    return new_state, reduced, device_mean(rest, axis)
 
 
-def _from_device_0(tree, axis):
-    """Every device takes device 0's value of each leaf (state fields a per-device step may
-    have changed differently on each device)."""
-
-    def pick(x):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.random.wrap_key_data(
-                pick(jax.random.key_data(x)), impl=jax.random.key_impl(x)
-            )
-        return jax.lax.all_gather(x, axis)[0]
-
-    return jax.tree_util.tree_map(pick, tree)
+def local_rows(batch) -> set:
+    """The leading dims of this device's batch leaves."""
+    return {jnp.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if jnp.ndim(x)}
 
 
 def _sync_other_fields(state, axis):
     """Fields besides params and opt_state (an rng, user counters) from device 0."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else _from_device_0(x, axis), state
-    )
-
-
-def _device_mean(tree, axis):
-    """Floating metrics averaged over devices (each saw its own slice), others from device 0."""
-    if tree is None:
-        return None
-    return jax.tree_util.tree_map(
-        lambda x: (
-            jax.lax.pmean(x, axis)
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-            else _from_device_0(x, axis)
-        ),
-        tree,
+        lambda p, x: x if category_of(p) in (PARAMS, OPT_STATE) else from_device_0(x, axis), state
     )

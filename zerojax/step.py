@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.comm.hierarchy import manual_over_data
 from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.nnx_managed import ManagedObjects
@@ -55,7 +56,6 @@ class ZeroStep:
         self.used_explicit_collectives = None  # known after the first trace
         self.units: tuple[str, ...] | None = None  # stage-3 units of the last trace
         self._warned = False
-        self._fallback_reasons: list = []  # why a traced model call kept XLA's placement
         # the micro-batch position of the state the last call returned, known without reading
         # the device: a weak reference to that state's counter (never to the state itself)
         self._last_micro: weakref.ref | None = None
@@ -217,14 +217,12 @@ class ZeroStep:
             shardings,
             keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None,
         )
-        objs, calls, self._fallback_reasons = objects.merge(state), [], []
+        objs, calls = objects.merge(state), []
         managed = ManagedObjects(objs, cfg) if cfg.manages_update else None
         hooked = contextlib.nullcontext()
-        if self._explicit():
+        if self.zero.config.explicit_collectives:
             hook = self._hook(layout, batch_rows, calls, managed and managed.scale)
-            hooked = nnx_calls_hooked(
-                hook, batch_rows, objs, objects.prefixes, self._fallback_reasons
-            )
+            hooked = nnx_calls_hooked(hook, batch_rows, objs, objects.prefixes)
         with hooked, capture_gradients() as sink:
             out = self.fn(*objs, batch, *extra)
         self._traced_calls(calls)
@@ -257,15 +255,11 @@ class ZeroStep:
             new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
         return to_storage(new, shardings), out
 
-    def _explicit(self) -> bool:
-        """Whether the step places ZeRO's collectives itself (per-device hook)."""
-        return self.zero.config.explicit_collectives and not self.zero.comm.tensor
-
     def _hook(self, layout, batch_rows, calls, scale):
         """`hook(apply)`: `apply` run per device with the explicit collectives."""
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
-        return lambda apply: hooked_apply_fn(
-            apply, mesh, comm, cfg, layout, batch_rows, calls, scale
+        return lambda apply, stateful=None: hooked_apply_fn(
+            apply, mesh, comm, cfg, layout, batch_rows, calls, scale, stateful
         )
 
     def _traced_global(self, layout, shardings, batch_rows, micro, state, batch, *extra):
@@ -276,21 +270,15 @@ class ZeroStep:
         view = state
         if managed:
             view = view.replace(params=cast_floating(state.params, jnp.float32))
-        tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
-        explicit = self._explicit()
+        explicit = self.zero.config.explicit_collectives
         hook = self._hook(layout, batch_rows, calls, scale)
         if explicit and callable(original) and hasattr(state, "replace"):
             view = view.replace(apply_fn=hook(original))
         elif managed and cfg.precision != "fp32":
             raise ZeroError(
                 "16-bit precision casts parameters where state.apply_fn uses them, which the "
-                + (
-                    f"mesh's tensor-parallel axes {tensor_axes} rule out (XLA places every "
-                    "collective there): train in fp32 with a bf16 model dtype instead."
-                    if tensor_axes
-                    else "step does not do: keep explicit_collectives=True and "
-                    "call state.apply_fn in the step."
-                )
+                "step does not do: keep explicit_collectives=True and call state.apply_fn in "
+                "the step."
             )
         # a Linen model the step applies itself (a closure's model.apply) is hooked too
         hooked = linen_calls_hooked(hook, batch_rows) if explicit else contextlib.nullcontext()
@@ -344,11 +332,12 @@ class ZeroStep:
         batch_specs = jax.tree_util.tree_map(
             lambda x: P(comm.data_axis) if np.ndim(x) else P(), batch
         )
-        new_state, reduced, rest = jax.shard_map(
+        new_state, reduced, rest = manual_over_data(
             body,
-            mesh=mesh,
-            in_specs=(specs, batch_specs, P()),
-            out_specs=(specs, param_grad_specs if not micro else P(), P()),
+            mesh,
+            comm,
+            (specs, batch_specs, P()),
+            (specs, param_grad_specs if not micro else P(), P()),
             check_vma=False,
         )(state, batch, extra)
         self._traced_calls(calls)
@@ -360,16 +349,8 @@ class ZeroStep:
 
     def _fallback_reason(self) -> str:
         """Why the last traced step placed no explicit collectives."""
-        tensor_axes = tuple(a for a, _ in self.zero.comm.tensor)
-        if tensor_axes:
-            return (
-                f"the mesh has tensor-parallel axes {tensor_axes} (explicit_collectives "
-                "applies to meshes of ZeRO axes only)"
-            )
         if not self.zero.config.explicit_collectives:
             return "explicit_collectives=False"
-        if self._fallback_reasons:
-            return self._fallback_reasons[0]
         return (
             f"{getattr(self.fn, '__name__', 'the step')} does not call state.apply_fn, a "
             "Linen model's apply or an NNX model it receives on the batch"

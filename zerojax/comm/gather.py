@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.hierarchy import Comm, gather_weight, reduce_gradient
+from zerojax.comm.hierarchy import Comm, gather_weight, manual_over_data, reduce_gradient
 from zerojax.rules import split_dim
 
 
@@ -55,8 +55,8 @@ def device_copies(
             out.append(gather_weight(x, split_dim(spec, comm.shard_axis), comm, x.dtype)[None])
         return tuple(out)
 
-    return jax.shard_map(
-        gather, mesh=mesh, in_specs=store_specs, out_specs=tuple(P(comm.data_axis) for _ in leaves)
+    return manual_over_data(
+        gather, mesh, comm, store_specs, tuple(P(comm.data_axis) for _ in leaves)
     )(*leaves)
 
 
@@ -73,11 +73,8 @@ def _copies_bwd(store_specs, grad_specs, mesh, comm, dtypes, scale, cotangents):
             out.append(reduce_gradient(ct[0], split_dim(spec, comm.shard_axis), comm, reduce_dtype))
         return tuple(out)
 
-    grads = jax.shard_map(
-        reduce,
-        mesh=mesh,
-        in_specs=tuple(P(comm.data_axis) for _ in cotangents),
-        out_specs=grad_specs,
+    grads = manual_over_data(
+        reduce, mesh, comm, tuple(P(comm.data_axis) for _ in cotangents), grad_specs
     )(*cotangents)
     grads = tuple(unscale(g, scale, dt) for g, dt in zip(grads, primal_dtypes, strict=True))
     return grads, None if scale is None else jnp.zeros_like(scale)

@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.quant import quantized_all_gather, quantized_reduce_scatter
 from zerojax.config import ZeroConfig, ZeroError
@@ -98,29 +99,6 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
             )
     replica = tuple(pair for pair in data if pair not in shard)
     tensor = tuple((a, sizes[a]) for a in mesh.axis_names if (a, sizes[a]) not in data)
-    hook_only = [
-        name
-        for name, on in (
-            ("quantized_weights", cfg.quantized_weights),
-            ("quantized_gradients", cfg.quantized_gradients),
-            ("hpz_partition_size", cfg.hpz_partition_size > 1),
-            ("mics_shard_size", cfg.mics_shard_size > 0),
-            ("offload_activations", cfg.offload_activations),
-        )
-        if on
-    ]
-    if tensor and hook_only:
-        raise ZeroError(
-            f"{', '.join(hook_only)} need zerojax's own collectives, which a mesh with "
-            f"tensor-parallel axes {tuple(a for a, _ in tensor)} does not use (XLA places every "
-            "collective there): turn them off or use a mesh of ZeRO axes only."
-        )
-    if tensor and cfg.accumulates_locally:
-        raise ZeroError(
-            f"local gradient accumulation runs the step per device over the whole mesh, which "
-            f"would split the model's own axes {tuple(a for a, _ in tensor)} too: use "
-            "accumulate='reduced' on a mesh with tensor-parallel axes."
-        )
     return Comm(
         shard=shard,
         data=data,
@@ -131,6 +109,32 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
         grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
         grad_block=cfg.quantized_gradients_block,
         secondary=LOCAL if cfg.hpz_partition_size > 1 else None,
+    )
+
+
+def manual_over_data(f, mesh, comm: Comm, in_specs, out_specs, check_vma: bool = True):
+    """`jax.shard_map(f)` manual over the data axes only: the mesh's other axes (the model's own
+    tensor parallelism) stay XLA's, inside `f` too, so the specs keep only the data axes (the
+    model's are dropped from them; each array keeps its sharding over them)."""
+    manual = frozenset(a for a, _ in comm.data)
+
+    def keep(entry):
+        names = tuple(
+            a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a in manual
+        )
+        return None if not names else names[0] if len(names) == 1 else names
+
+    specs = lambda tree: jax.tree_util.tree_map(
+        lambda spec: P(*(keep(e) for e in spec)), tree, is_leaf=lambda x: isinstance(x, P)
+    )
+    options = {"axis_names": manual} if comm.tensor else {}
+    return jax.shard_map(
+        f,
+        mesh=mesh,
+        in_specs=specs(in_specs),
+        out_specs=specs(out_specs),
+        check_vma=check_vma,
+        **options,
     )
 
 

@@ -28,6 +28,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
 from zerojax.comm.flat import pack_full, pack_shards, unpack_full, unpack_shards
@@ -88,23 +90,63 @@ def current_context() -> GatherContext | None:
 def gather_unit(module, args, kwargs):
     """Run the bound Linen `module`'s `__call__` as a stage-3 unit (see the module docstring):
     its parameters enter as this device's shards, are gathered only while it runs and their
-    gradients are reduce-scattered as soon as backward leaves it."""
+    gradients are reduce-scattered as soon as backward leaves it. It reads the module's other
+    collections, draws from the module's own RNG streams (Flax's lazy keys: its submodules
+    get the keys they would get bound) and writes back the collections it mutates."""
     plain = module.clone(parent=None)  # unbound: applied functionally on the gathered weights
-    apply = lambda params, a, k: plain.apply({"params": params}, *a, **k)
-    return run_unit("/".join(module.path), module.variables["params"], apply, args, kwargs)
+    scope = module.scope
+    mutable, counters, after = scope.mutable, _copy_counters(scope.rng_counters), []
+
+    def apply(params, extra, a, k):
+        collections, rngs = extra
+        root = bind_scope({"params": params, **collections}, rngs=rngs or None, mutable=mutable)
+        # each run (forward, backward's recomputation) from the counters the module had when
+        # called: its submodules draw the keys they would bound, the same ones every run
+        root.rng_counters = _copy_counters(counters)
+        with root.temporary() as bound:
+            out = plain.clone(parent=bound, _deep_clone=True)(*a, **k)
+            written = bound.mutable_variables() if mutable is not False else {}
+        after.append(root.rng_counters)
+        return out, written
+
+    extra = ({c: v for c, v in module.variables.items() if c != "params"}, dict(scope.rngs))
+    params = module.variables["params"]
+    out, written = run_unit("/".join(module.path), params, apply, extra, args, kwargs)
+    _merge_counters(scope.rng_counters, after[0])  # as if the module had run bound
+    for col, tree in written.items():
+        for name, value in tree.items() if col != "params" else ():
+            scope.put_variable(col, name, value)
+    return out
 
 
-def run_unit(prefix: str, shards, apply, args, kwargs):
-    """`apply(params, args, kwargs)` run as the stage-3 unit at path `prefix` whose parameters
-    (`shards`, a pytree of this device's shards keyed below `prefix`) are gathered only while it
-    runs; Linen's and NNX's units both run through here."""
+def _copy_counters(counters: dict) -> dict:
+    """A copy of Flax's nested RNG counters (its keys, Flax's own sentinels, kept as they are)."""
+    return {k: _copy_counters(v) if isinstance(v, dict) else v for k, v in counters.items()}
+
+
+def _merge_counters(into: dict, counters: dict) -> None:
+    """Flax's nested RNG counters `counters` written into `into` in place (child scopes hold
+    references to the nested dicts)."""
+    for key, value in counters.items():
+        if isinstance(value, dict):
+            _merge_counters(into.setdefault(key, {}), value)
+        else:
+            into[key] = value
+
+
+def run_unit(prefix: str, shards, apply, extra, args, kwargs):
+    """`apply(params, extra, args, kwargs) -> (outputs, written state)` run as the stage-3 unit
+    at path `prefix` whose parameters (`shards`, a pytree of this device's shards keyed below
+    `prefix`) are gathered only while it runs; `extra` holds what else it reads (other
+    collections, RNG keys), passed through undifferentiated. Linen's and NNX's units both run
+    through here."""
     ctx = _CONTEXT.get()
     assert ctx is not None, "a unit runs inside a zerojax stage-3 step"
 
-    def inside(params, a, k):
+    def inside(params, extra, a, k):
         token = _INSIDE.set(True)  # modules inside the unit run on the gathered weights as is
         try:
-            return apply(params, a, k)
+            return apply(params, extra, a, k)
         finally:
             _INSIDE.reset(token)
 
@@ -113,7 +155,7 @@ def run_unit(prefix: str, shards, apply, args, kwargs):
         ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
         for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
     )
-    return layer_call(inside, dims, ctx, shards, args, kwargs, scanned)
+    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned)
 
 
 def _full_path(prefix, path) -> str:
@@ -269,22 +311,33 @@ def _from_secondary(secondary: list, shards, dims, ctx):
     )
 
 
-def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
-    """`apply(gathered params, args, kwargs)` with the memory behaviour of the module docstring."""
+def _no_cotangent(x):
+    """The zero cotangent of an undifferentiated input (float0 for integers and keys)."""
+    if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False):
+    """`apply(gathered params, extra, args, kwargs) -> (outputs, written state)` with the memory
+    behaviour of the module docstring; backward recomputes it with the same `extra` (the same
+    RNG keys, so the same dropout masks)."""
     hpz = ctx.comm.secondary is not None
 
     @jax.custom_vjp
-    def run(shards, args, anchor, scale):
-        return apply(_gather(_depend(shards, anchor), dims, ctx), args, kwargs)
+    def run(shards, args, extra, anchor, scale):
+        return apply(_gather(_depend(shards, anchor), dims, ctx), extra, args, kwargs)
 
-    def fwd(shards, args, anchor, scale):
+    def fwd(shards, args, extra, anchor, scale):
         saved = _to_memory(args, jax.memory.Space.Host) if ctx.offload_activations else args
         params = _gather(_depend(shards, anchor), dims, ctx)
         secondary = _secondary(params, dims, ctx) if hpz else []
-        return apply(params, args, kwargs), (shards, secondary, saved, anchor, scale)
+        out = apply(params, extra, args, kwargs)
+        return out, (shards, secondary, saved, extra, anchor, scale)
 
     def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
-        shards, secondary, args, anchor, scale = res
+        shards, secondary, args, extra, anchor, scale = res
+        ct = ct[0]  # the written state is not differentiated
         if ctx.offload_activations:
             args = _to_memory(args, jax.memory.Space.Device)
         wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
@@ -293,11 +346,17 @@ def layer_call(apply, dims, ctx, shards, args, kwargs, scanned=False):
             if hpz
             else _gather(_depend(shards, wait), dims, ctx)
         )
-        _, vjp = jax.vjp(lambda p, a: apply(p, a, kwargs), params, args)
+        _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, args)
         dparams, dargs = vjp(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)
-        return _scatter(dparams, dims, shards, ctx, scale), dargs, zero(anchor), zero(scale)
+        return (
+            _scatter(dparams, dims, shards, ctx, scale),
+            dargs,
+            jax.tree_util.tree_map(_no_cotangent, extra),
+            zero(anchor),
+            zero(scale),
+        )
 
     run.defvjp(fwd, bwd)
     shards = _per_device(shards, dims, ctx)
-    return run(shards, args, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)
+    return run(shards, args, extra, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)

@@ -102,24 +102,27 @@ def with_params(params_state, pure: dict):
 
 
 def _record(module, path: str) -> ModuleCall:
-    _, params, rest = split_params(module)
-    other = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
+    _, params, _ = split_params(module)
     return ModuleCall(
         path,
         type(module)._zerojax_class.__name__,
         lifted=_param_dims(module) < (_STORED_DIMS.get() or {}).get(path, 0),  # nnx.scan's slice
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(jax.tree_util.tree_leaves(params)),
-        blocker=f"it holds NNX variables other than nnx.Param ({', '.join(other)})"
-        if other
-        else "",
     )
 
 
 def _run_unit(module, path: str, original, args, kwargs):
+    """The NNX `module`'s call as a stage-3 unit: it reads its other NNX state (RNG streams,
+    batch statistics) as they are and writes back what the call changed."""
     graphdef, params, rest = split_params(module)
 
-    def apply(pure, a, k):
-        return original(nnx.merge(graphdef, with_params(params, pure), rest), *a, **k)
+    def apply(pure, rest, a, k):
+        rest = jax.tree_util.tree_map(lambda x: x, rest)  # Variables of this trace, writable
+        copy = nnx.merge(graphdef, with_params(params, pure), rest)
+        out = original(copy, *a, **k)
+        return out, nnx.state(copy, nnx.Not(nnx.Param))
 
-    return run_unit(path, nnx.to_pure_dict(params), apply, args, kwargs)
+    out, written = run_unit(path, nnx.to_pure_dict(params), apply, rest, args, kwargs)
+    nnx.update(module, written)
+    return out

@@ -21,7 +21,6 @@ import warnings
 import flax.linen as nn
 from flax.core.scope import Scope
 
-from zerojax.config import ZeroError
 from zerojax.errors import ZeroWarning
 from zerojax.flax.gather import current_context, gather_unit
 
@@ -45,7 +44,6 @@ class ModuleCall:
     lifted: bool  # the body of a lifted transform (nn.scan, nn.remat)
     marked: bool  # its class went through gather_on_use
     has_params: bool
-    blocker: str  # why it cannot be a unit ('' if it can)
 
 
 _DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (innermost last)
@@ -80,23 +78,12 @@ def dispatch(path: str, record, run_unit, run):
 
 
 def _record(module, path) -> ModuleCall:
-    other = sorted(c for c in module.variables if c != "params")
-    blocker = (
-        f"it reads the collections {other}"
-        if other
-        else "the model is applied with RNG streams"
-        if module.scope.rngs
-        else "the model is applied with mutable collections"
-        if module.scope.mutable
-        else ""
-    )
     return ModuleCall(
         path,
         type(module).__name__,
         lifted=bool(module.path) and isinstance(module.parent, Scope),
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(module.variables.get("params")),
-        blocker=blocker,
     )
 
 
@@ -139,20 +126,4 @@ def select_units(calls: dict, units) -> frozenset:
                 category=ZeroWarning,
                 stacklevel=4,
             )
-    outermost = [p for p in chosen if not any(p.startswith(q + "/") for q in chosen)]
-    blocked = {p: candidates[p] for p in outermost if candidates[p].blocker}
-    for p, c in blocked.items():
-        if units != "auto" or c.marked:
-            raise ZeroError(
-                f"module {p} ({c.cls}) cannot be a stage-3 unit yet: {c.blocker}. Drop it "
-                "from units= (or its gather_on_use), or apply the model without them."
-            )
-    if blocked:
-        warnings.warn(
-            f"zerojax: stage 3 gathers {', '.join(sorted(blocked))} whole for the step, not as "
-            f"units ({next(iter(blocked.values())).blocker}): units do not yet receive RNG "
-            "streams or other collections.",
-            category=ZeroWarning,
-            stacklevel=4,
-        )
-    return frozenset(p for p in outermost if p not in blocked)
+    return frozenset(p for p in chosen if not any(p.startswith(q + "/") for q in chosen))
