@@ -7,7 +7,10 @@ block per device, and `device_copies`' backward reduces them: all-reduce for sta
 reduce-scatter for 2-3. Everything outside the model (loss, optimizer update) stays in XLA's
 global view, so any optax transformation, global-norm clipping included, sees exactly the
 single-device numbers. With fp16, the cotangent entering the model is multiplied by the loss
-scale and the parameter gradients are divided by it (in fp32) as they leave.
+scale and the parameter gradients are divided by it (in fp32) as they leave. "Per device"
+means per position on the data axes: a mesh's other axes (the model's tensor parallelism)
+stay XLA's. Each device draws its own RNG stream and the state a call writes comes back as
+one value (`zerojax.device_values`). `zerojax.model_calls` sends a step's model calls here.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ import warnings
 import flax.linen as nn
 import jax
 import numpy as np
-from flax import nnx
-from flax.core.scope import Scope
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
@@ -29,14 +30,30 @@ from zerojax.comm.hierarchy import Comm, manual_over_data
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.device_values import combine_state, fold_keys
 from zerojax.errors import ZeroWarning
-from zerojax.flax.gather import GatherContext, gather_context, inside_unit
-from zerojax.flax.nnx_calls import routed, split_params, with_params
+from zerojax.flax.gather import GatherContext, gather_context
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, StateLayout, key_name, path_str
 
 _RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
+
+
+def running_model() -> bool:
+    """Whether the per-device model is being traced (its own module calls are not hooked)."""
+    return _RUNNING_MODEL.get()
+
+
+@contextlib.contextmanager
+def model_running():
+    """Inside, `running_model()` is true."""
+    token = _RUNNING_MODEL.set(True)
+    try:
+        yield
+    finally:
+        _RUNNING_MODEL.reset(token)
+
+
 NNX_STATE = "nnx_state"  # the key an NNX model's other state travels under through the hook
 
 
@@ -44,11 +61,11 @@ class ApplyHookError(ZeroError):
     """The model's inputs or outputs cannot be split per device; the message says why."""
 
 
-def _is_array(x) -> bool:
+def is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
-def _with_values(flat: list, positions: list, values, tree):
+def with_values(flat: list, positions: list, values, tree):
     """(args, kwargs) from flattened call arguments with the array leaves at `positions`
     replaced by `values` (traced per-device or abstract stand-ins)."""
     local = list(flat)
@@ -159,7 +176,7 @@ def hooked_apply_fn(
         )
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
         batch_spec = P(comm.data_axis)
         in_specs = tuple(
             batch_spec if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows else P()
@@ -238,132 +255,18 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
     over, rematerialised with the activation-offload policy when offload_activations is on."""
 
     def model(variables, values, extra=None):
-        args, kwargs = _with_values(flat, positions, values, tree)
-        token = _RUNNING_MODEL.set(True)  # its own module calls are not hooked again
-        try:
+        args, kwargs = with_values(flat, positions, values, tree)
+        with model_running():  # its own module calls are not hooked again
             return apply_fn(variables, *args, **kwargs, **(extra or {}))
-        finally:
-            _RUNNING_MODEL.reset(token)
 
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
-
-
-@contextlib.contextmanager
-def linen_calls_hooked(hook, batch_rows: set):
-    """Inside, a Linen model applied anywhere in the step (`model.apply` on a module captured
-    in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
-    `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
-    dimension), not initializing, its RNG streams plain keys. Collections it mutates are
-    written back combined (`zerojax.device_values`)."""
-
-    def intercept(next_fun, args, kwargs, context):
-        module = context.module
-        if not _hookable(module, (args, kwargs), batch_rows):
-            return next_fun(*args, **kwargs)
-        scope = module.scope
-        plain, method = module.clone(parent=None), context.method_name
-        run = lambda variables, *a, **k: plain.apply(variables, *a, method=method, **k)
-        extra = {"rngs": {name: rng.rng for name, rng in scope.rngs.items()}} if scope.rngs else {}
-        if scope.mutable is not False:
-            extra["mutable"] = scope.mutable
-        out = hook(run)(dict(module.variables), *args, **extra, **kwargs)
-        if scope.mutable is False:
-            return out
-        out, written = out
-        for col, tree in written.items():
-            for name, value in tree.items() if col != PARAMS else ():
-                scope.put_variable(col, name, value)
-        return out
-
-    with nn.intercept_methods(intercept):
-        yield
-
-
-@contextlib.contextmanager
-def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
-    """Inside, a call on the batch of an NNX module the step received (`objs`, merged for this
-    step; `prefixes`: the keys their parameters sit under in the state) runs through
-    `hook(apply, stateful)`, the per-device `hooked_apply_fn`. A call that changes the module's
-    other NNX state (RNG counts, batch statistics) is given that state and writes back what
-    the devices' calls wrote, combined (`zerojax.device_values`)."""
-
-    def handle(module, call, prefix: str, args, kwargs):
-        if _RUNNING_MODEL.get() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
-            return call(module, *args, **kwargs)
-        graphdef, params, rest = split_params(module)
-        stateful = bool(_changes_state(graphdef, params, rest, call, args, kwargs))
-
-        def apply(variables, *a, **k):
-            pure = variables[PARAMS]
-            for key in prefix.split("/") if prefix else ():
-                pure = pure[key]
-            copy = nnx.merge(graphdef, with_params(params, pure), variables.get(NNX_STATE, rest))
-            out = call(copy, *a, **k)
-            return (out, {NNX_STATE: nnx.state(copy, nnx.Not(nnx.Param))}) if stateful else out
-
-        pure = nnx.to_pure_dict(params)
-        for key in reversed(prefix.split("/") if prefix else ()):
-            pure = {key: pure}
-        variables = {PARAMS: pure, **({NNX_STATE: rest} if stateful else {})}
-        out = hook(apply, stateful)(variables, *args, **kwargs)
-        if stateful:
-            out, written = out
-            nnx.update(module, written[NNX_STATE])
-        return out
-
-    with routed(objs, prefixes, handle):
-        yield
-
-
-def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:
-    """The types of the NNX variables other than nnx.Param that calling the module split into
-    (graphdef, params, rest) writes (found by one abstract trace of the call)."""
-    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
-    arrays = [i for i, x in enumerate(flat) if _is_array(x)]
-    written: list = []
-
-    def probe(params, rest, values):  # the Variables here are eval_shape's own copies
-        a, k = _with_values(flat, arrays, values, tree)
-        before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
-        copy = nnx.merge(graphdef, params, rest)
-        token = _RUNNING_MODEL.set(True)
-        try:
-            call(copy, *a, **k)
-        finally:
-            _RUNNING_MODEL.reset(token)
-        for path, var in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param))):
-            if path not in before or var.get_value() is not before[path]:
-                written.append(type(var).__name__)
-
-    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
-    jax.eval_shape(probe, params, rest, [shape(flat[i]) for i in arrays])
-    return sorted(set(written))
-
-
-def _on_batch(call_args, batch_rows: set) -> bool:
-    """Whether an array argument of a call has the batch's leading dimension."""
-    return any(
-        _is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
-        for x in jax.tree_util.tree_leaves(call_args)
-    )
-
-
-def _hookable(module, call_args, batch_rows: set) -> bool:
-    scope = module.scope
-    if _RUNNING_MODEL.get() or inside_unit() or module.path or scope is None:
-        return False
-    if not isinstance(module.parent, Scope) or module.is_initializing():
-        return False
-    if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
-        return False
-    return _on_batch(call_args, batch_rows)
 
 
 def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
     """The paths of the modules stage 3 gathers as units (`flax.units`), from an abstract trace
     of the model that records its module calls."""
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
-    arrays = [i for i, x in enumerate(flat) if _is_array(x)]
+    arrays = [i for i, x in enumerate(flat) if is_array(x)]
     run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
     with discovering() as found:
@@ -389,7 +292,7 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, axis, local_rows: set
             tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))
         )
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(flat) if _is_array(x)]
+        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
         model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
         out = model(
             jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)

@@ -1,0 +1,128 @@
+"""Where a step's model calls are caught and sent through the per-device hook
+(`zerojax.hook.hooked_apply_fn`): a Linen model applied anywhere in the step (Flax's method
+interceptor), and the calls on the batch of the NNX objects the step receives (routed calls,
+`zerojax.flax.nnx_calls`). Calls that cannot run per device run as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import numpy as np
+from flax import nnx
+from flax.core.scope import Scope
+
+from zerojax.flax.gather import inside_unit
+from zerojax.flax.nnx_calls import routed, split_params, with_params
+from zerojax.hook import NNX_STATE, is_array, model_running, running_model, with_values
+from zerojax.rules import PARAMS
+
+
+@contextlib.contextmanager
+def linen_calls_hooked(hook, batch_rows: set):
+    """Inside, a Linen model applied anywhere in the step (`model.apply` on a module captured
+    in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
+    `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
+    dimension), not initializing, its RNG streams plain keys. Collections it mutates are
+    written back combined (`zerojax.device_values`)."""
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if not _hookable(module, (args, kwargs), batch_rows):
+            return next_fun(*args, **kwargs)
+        scope = module.scope
+        plain, method = module.clone(parent=None), context.method_name
+        run = lambda variables, *a, **k: plain.apply(variables, *a, method=method, **k)
+        extra = {"rngs": {name: rng.rng for name, rng in scope.rngs.items()}} if scope.rngs else {}
+        if scope.mutable is not False:
+            extra["mutable"] = scope.mutable
+        out = hook(run)(dict(module.variables), *args, **extra, **kwargs)
+        if scope.mutable is False:
+            return out
+        out, written = out
+        for col, tree in written.items():
+            for name, value in tree.items() if col != PARAMS else ():
+                scope.put_variable(col, name, value)
+        return out
+
+    with nn.intercept_methods(intercept):
+        yield
+
+
+@contextlib.contextmanager
+def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
+    """Inside, a call on the batch of an NNX module the step received (`objs`, merged for this
+    step; `prefixes`: the keys their parameters sit under in the state) runs through
+    `hook(apply, stateful)`, the per-device `hooked_apply_fn`. A call that changes the module's
+    other NNX state (RNG counts, batch statistics) is given that state and writes back what
+    the devices' calls wrote, combined (`zerojax.device_values`)."""
+
+    def handle(module, call, prefix: str, args, kwargs):
+        if running_model() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
+            return call(module, *args, **kwargs)
+        graphdef, params, rest = split_params(module)
+        stateful = bool(_changes_state(graphdef, params, rest, call, args, kwargs))
+
+        def apply(variables, *a, **k):
+            pure = variables[PARAMS]
+            for key in prefix.split("/") if prefix else ():
+                pure = pure[key]
+            copy = nnx.merge(graphdef, with_params(params, pure), variables.get(NNX_STATE, rest))
+            out = call(copy, *a, **k)
+            return (out, {NNX_STATE: nnx.state(copy, nnx.Not(nnx.Param))}) if stateful else out
+
+        pure = nnx.to_pure_dict(params)
+        for key in reversed(prefix.split("/") if prefix else ()):
+            pure = {key: pure}
+        variables = {PARAMS: pure, **({NNX_STATE: rest} if stateful else {})}
+        out = hook(apply, stateful)(variables, *args, **kwargs)
+        if stateful:
+            out, written = out
+            nnx.update(module, written[NNX_STATE])
+        return out
+
+    with routed(objs, prefixes, handle):
+        yield
+
+
+def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:
+    """The types of the NNX variables other than nnx.Param that calling the module split into
+    (graphdef, params, rest) writes (found by one abstract trace of the call)."""
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(flat) if is_array(x)]
+    written: list = []
+
+    def probe(params, rest, values):  # the Variables here are eval_shape's own copies
+        a, k = with_values(flat, arrays, values, tree)
+        before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
+        copy = nnx.merge(graphdef, params, rest)
+        with model_running():
+            call(copy, *a, **k)
+        for path, var in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param))):
+            if path not in before or var.get_value() is not before[path]:
+                written.append(type(var).__name__)
+
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    jax.eval_shape(probe, params, rest, [shape(flat[i]) for i in arrays])
+    return sorted(set(written))
+
+
+def _on_batch(call_args, batch_rows: set) -> bool:
+    """Whether an array argument of a call has the batch's leading dimension."""
+    return any(
+        is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
+        for x in jax.tree_util.tree_leaves(call_args)
+    )
+
+
+def _hookable(module, call_args, batch_rows: set) -> bool:
+    scope = module.scope
+    if running_model() or inside_unit() or module.path or scope is None:
+        return False
+    if not isinstance(module.parent, Scope) or module.is_initializing():
+        return False
+    if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
+        return False
+    return _on_batch(call_args, batch_rows)
