@@ -21,16 +21,6 @@ from tests import test_units as linen_lm
 from tests.common import assert_trees_close
 
 
-def linen_init(model, seq):
-    def init(key):
-        params = model.init(key, jnp.zeros((1, seq), jnp.int32))["params"]
-        return train_state.TrainState.create(
-            apply_fn=model.apply, params=params, tx=optax.adamw(1e-3)
-        )
-
-    return init
-
-
 def linen_step(state, batch):
     """A new dropout key per step, as Flax's examples make one."""
     key = jax.random.fold_in(jax.random.key(7), state.step)
@@ -67,7 +57,7 @@ def train(stage, fn, build, data, **options):
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_linen_dropout_stages_0_to_3_train_identically(scan):
     model = linen_lm.Transformer(2, scan, d=32, heads=2, vocab=64, dropout=0.1)
-    build, data = (linen_init(model, 16), jax.random.key(0)), tokens(3)
+    build, data = (linen_lm.init_fn(model, 16), jax.random.key(0)), tokens(3)
     ref_losses, ref, _ = train(0, linen_step, build, data)
     for stage in (2, 3) if scan else (1, 2, 3):
         losses, state, step = train(stage, linen_step, build, data)
