@@ -158,12 +158,20 @@ def test_sown_activations_come_back_for_the_whole_batch():
         return state, (out, sown["intermediates"])
 
     zstep = zero(probe)
-    _, (out, got) = zstep(state, x)
+    state, (out, got) = zstep(state, x)
     assert zstep.used_explicit_collectives
     np.testing.assert_allclose(out, want, rtol=1e-5)
     np.testing.assert_allclose(got["hidden"][0], sown["intermediates"]["hidden"][0], rtol=1e-5)
     per_device = [float(np.sum(np.asarray(h) ** 2)) for h in np.split(got["hidden"][0], 8)]
     np.testing.assert_allclose(got["norm"][0], np.mean(per_device), rtol=1e-5)
+
+    def capture(state, x):  # Flax's capture_intermediates: every module's output, sown
+        return state, state.apply_fn({"params": state.params}, x, capture_intermediates=True)
+
+    _, (_, captured) = zero(capture)(state, x)
+    want = model.apply({"params": params}, x, capture_intermediates=True)[1]
+    dense = lambda tree: tree["intermediates"]["Dense_0"]["__call__"][0]
+    np.testing.assert_allclose(dense(captured), dense(want), rtol=1e-5)
 
 
 class NNXNet(nnx.Module):

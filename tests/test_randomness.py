@@ -113,3 +113,17 @@ def test_each_device_draws_its_own_masks(stage):
     zero0 = zj.zero_shard(stage=0)
     _, out0 = zero0(step)(zero0.shard(jax.device_get(state)), np.ones((16, 8), np.float32))
     np.testing.assert_allclose(out, np.asarray(out0), rtol=1e-6)
+
+
+def test_dropout_blocks_are_units_so_stage_3_bounds_the_peak():
+    """Before units took RNG streams, 'auto' left dropout blocks gathered whole for the step
+    (as units=() does): 8 scanned layers, sequence 128, 18.58 MiB against 3.42 MiB now."""
+
+    def peak(units):
+        zero = zj.zero_shard(stage=3, units=units)
+        model = linen_lm.Transformer(8, True, dropout=0.1)
+        state = zero.eval_shape(linen_lm.init_fn(model, 128), jax.random.key(0))
+        batch = jax.ShapeDtypeStruct((8, 129), jnp.int32)
+        return zero.report(zero(linen_step), state, batch).peak_bytes
+
+    assert peak("auto") < 0.3 * peak(()), (peak("auto"), peak(()))
