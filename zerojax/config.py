@@ -79,8 +79,9 @@ class ZeroConfig:
     Linen `state.apply_fn` or closure's `model.apply` on the batch, an NNX model the step
     receives): a real reduce-scatter for stages 2-3 on every backend. False leaves every
     collective to XLA's partitioner, which on CPU turns stage 2's reduce-scatter into an
-    all-reduce. Steps that call no model zerojax can run per device (a Linen `mutable=[...]`
-    apply, an NNX model whose call writes its other state) always use XLA's collectives."""
+    all-reduce. Models with dropout, batch statistics or tensor-parallel axes run there too
+    (`zerojax.device_values`); a step that calls no model zerojax can run per device uses
+    XLA's collectives (with a warning)."""
 
     donate: bool = True
     """Donate the state buffers to the step so the new state reuses their memory."""
