@@ -35,7 +35,7 @@ RING = 7 / 8
 ZEROPP = dict(quantized_weights=True, hpz_partition_size=4, quantized_gradients=True)
 VARIANTS = {  # name: (options, formula for all bytes in M, formula across nodes in M)
     "stage 0": (dict(stage=0), 2 * RING, 2 * RING),
-    "stage 1": (dict(stage=1), 3 * RING, 3 * RING),
+    "stage 1": (dict(stage=1), 2 * RING, 2 * RING),  # reduce-scatter + all-gather, as stage 2
     "stage 2": (dict(stage=2), 2 * RING, 2 * RING),
     "stage 3": (dict(stage=3), 3 * RING, 3 * RING),
     "stage 3 qwZ": (dict(stage=3, quantized_weights=True), None, None),

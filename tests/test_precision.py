@@ -83,7 +83,8 @@ def test_bf16_follows_fp32_on_the_demo_model(steps):
 
 
 @pytest.mark.parametrize(
-    "stage,reduce_kind", [(1, "all-reduce"), (3, "reduce-scatter"), *slow((2, "reduce-scatter"))]
+    "stage,reduce_kind",
+    [(1, "reduce-scatter"), (3, "reduce-scatter"), *slow((2, "reduce-scatter"))],
 )
 def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(stage, reduce_kind):
     # stage 3 gathers weights for compute, stages 1-2 gather the updated weights: both in bf16
@@ -197,7 +198,7 @@ def test_k_micro_batches_equal_one_big_batch(stage, mode):
     assert_trees_close(state.params, ref_state.params)
 
 
-@pytest.mark.parametrize("stage", [2, *slow(0)])  # reduce-scatter, all-reduce (stage 1 = 0's)
+@pytest.mark.parametrize("stage", [2, *slow(0)])  # reduce-scatter (stage 1 = 2's), all-reduce
 def test_local_accumulation_communicates_once_per_optimizer_step(stage):
     sent = {}
     for k in (1, 4):

@@ -107,6 +107,20 @@ def test_units_from_outside_bound_the_peak_per_layer(scan):
     assert slope["no units"] > 1.5 * slope["units Block"], slope
 
 
+@pytest.mark.parametrize("stage", [2, 1])
+def test_stages_1_2_reduce_each_units_gradient_as_backward_leaves_it(stage):
+    """8 scanned layers, sequence 64 (activations of the order of the gradient, 4Ψ): reducing
+    after backward holds every layer's full gradient at once; per unit, only this device's
+    slice of each, so the peak drops by at least half of (N-1)/N * 4Ψ. (Unrolled, XLA
+    already schedules each reduce-scatter as soon as its gradient exists: equal peaks.)"""
+    n, seq = 8, 64
+    state = jax.eval_shape(init_fn(Transformer(8, True), seq), jax.random.key(0))
+    psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    per_unit = peak(dict(stage=stage), 8, True, seq)
+    at_the_end = peak(dict(stage=stage, units=()), 8, True, seq)
+    assert at_the_end - per_unit >= 0.5 * (n - 1) / n * 4 * psi, (at_the_end, per_unit, psi)
+
+
 @pytest.mark.parametrize(
     "scan, units, buffers",
     [(True, "Block", False), (False, "auto", False), (True, "Block", True)]

@@ -65,14 +65,17 @@ class ZeroConfig:
     'blocks/0'); 'auto': the repeated blocks (each scanned body, each of two or more
     same-class siblings), as FSDP2 wraps each
     transformer block; () only the classes marked with `zj.flax.gather_on_use`. Parameters of
-    no unit are gathered once at the start of the step and kept for backward. Stages 0-2
-    gather nothing, so there it changes nothing (like prefetch)."""
+    no unit are gathered once at the start of the step and kept for backward. Stages 1-2
+    gather nothing but reduce-scatter each unit's gradient as backward leaves it (so a
+    scanned stack's gradient is never whole; NNX `nnx.scan` stacks excepted, reduced at the
+    end of backward); stage 0 ignores it (like prefetch)."""
 
     unit_buffers: bool = False
     """Stage 3 units: gather each unit's split weights as one buffer (one all-gather each way)
     and reduce-scatter its gradients as one, instead of one collective per leaf. Fewer, larger
     collectives, at the cost of copying the leaves out of the buffer (a unit's weights exist
-    twice for a moment: `bench/unit_collectives.py` measures both). Stages 0-2: no effect."""
+    twice for a moment: `bench/unit_collectives.py` measures both). Stages 1-2: the
+    gradient reduce-scatter only; stage 0: no effect."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around the model (a
@@ -390,6 +393,12 @@ class ZeroConfig:
     def shards_gradients(self) -> bool:
         """Stage >= 2: gradients are reduce-scattered to the slice each device updates."""
         return self.stage >= 2
+
+    @property
+    def reduces_per_unit(self) -> bool:
+        """Stages 1-2: each unit's gradient is reduce-scattered as backward leaves it (the
+        parameters stay whole, so nothing is gathered)."""
+        return self.stage in (1, 2)
 
     @property
     def shards_parameters(self) -> bool:

@@ -25,12 +25,12 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent
+from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
 from zerojax.comm.hierarchy import Comm, manual_over_data
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.device_values import combine_state, fold_keys
 from zerojax.errors import ZeroWarning
-from zerojax.flax.gather import GatherContext, gather_context
+from zerojax.flax.gather import LAYER, GatherContext, gather_context
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
@@ -120,11 +120,19 @@ def hooked_apply_fn(
         is_param = [bool(p) and key_name(p[0]) == PARAMS for p, _ in flat_vars]
         store = tuple(P() if p is None else p.spec for p in leaf_plans)
         grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
-        # stage 3: leaves of units enter as shards and are gathered per unit
-        units = ()
-        if cfg.shards_parameters:
+        # leaves of units enter as shards: stage 3 gathers them per unit; stages 1-2 use the
+        # step's whole copy and reduce-scatter each unit's gradient as backward leaves it
+        units, layers = (), {}
+        if cfg.shards_parameters or cfg.reduces_per_unit:
             keys = {} if rngs is None else {"rngs": rngs}
-            units = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
+            found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
+            stored = {
+                path_str(p[1:]): np.shape(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
+            }
+            layers = {u: _layer_dims(found[u], u, stored) for u in found}
+            if not cfg.shards_parameters and not linen:  # NNX stacks: no layer index to read
+                layers = {u: d for u, d in layers.items() if not d}
+            units = tuple(layers)
         calls.append(frozenset(units))
         prefixes = tuple(u + "/" for u in units)
         claimed = [
@@ -157,6 +165,12 @@ def hooked_apply_fn(
             ),
         )
         shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
+        in_place = bool(units) and not cfg.shards_parameters  # stages 1-2: no gather
+        wholes = tuple(
+            jax.lax.stop_gradient(to_compute(leaves[i], compute[i]))
+            for i, c in enumerate(claimed)
+            if c and in_place
+        )
         gather_ctx = GatherContext(
             comm=comm,
             compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
@@ -191,7 +205,9 @@ def hooked_apply_fn(
 
         model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
 
-        def body(copies, shards, others, rngs, values, scale):
+        claimed_paths = [path_str(p[1:]) for (p, _), c in zip(flat_vars, claimed, strict=True) if c]
+
+        def body(copies, shards, wholes, others, rngs, values, scale):
             axis, local_rows = comm.data_axis, {r // n for r in batch_rows}
             copies, shards, folded = iter(copies), iter(shards), iter(fold_keys(others, axis))
             variables_local = jax.tree_util.tree_unflatten(
@@ -201,8 +217,16 @@ def hooked_apply_fn(
                     for param, c in zip(is_param, claimed, strict=True)
                 ],
             )
+            if in_place:
+                variables_local = _with_layer_index(variables_local, layers)
             # the scale: an argument, no outer tracer
-            ctx = dataclasses.replace(gather_ctx, scale=scale) if units else None
+            ctx = None
+            if units:
+                # not differentiated (the gradient flows through the split leaf): no zero
+                # cotangent is built, or all-reduced, for the whole weights
+                wholes = jax.lax.stop_gradient(wholes)
+                whole = dict(zip(claimed_paths, wholes, strict=True)) if in_place else None
+                ctx = dataclasses.replace(gather_ctx, scale=scale, whole=whole)
             extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
             with gather_context(ctx), nn.intercept_methods(intercept):
                 out = model(variables_local, values, extra)
@@ -214,14 +238,17 @@ def hooked_apply_fn(
             received = dict(zip(given, others, strict=True))  # unfolded, keyed as written
             return out, combine_state(written, received, axis, local_rows)
 
-        shard_specs = tuple(store[i] for i, c in enumerate(claimed) if c)
+        # stages 1-2: a unit's leaf enters split as its gradient is (no communication: the
+        # leaf is whole), so backward's reduce-scatter gives this device's slice
+        shard_specs = tuple((grads if in_place else store)[i] for i, c in enumerate(claimed) if c)
+        whole_specs = tuple(store[i] for i, c in enumerate(claimed) if c and in_place)
         out = manual_over_data(
             body,
             mesh,
             comm,
-            (tuple(batch_spec for _ in whole), shard_specs, P(), P(), in_specs, P()),
+            (tuple(batch_spec for _ in whole), shard_specs, whole_specs, P(), P(), in_specs, P()),
             (batch_spec, P()) if returns_state else batch_spec,
-        )(copies, shards, others, rngs, tuple(flat[i] for i in dynamic), scale)
+        )(copies, shards, wholes, others, rngs, tuple(flat[i] for i in dynamic), scale)
         if returns_state:
             out, written = out
             out = out if scale is None else scale_cotangent(out, scale)
@@ -262,9 +289,35 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
 
 
-def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
-    """The paths of the modules stage 3 gathers as units (`flax.units`), from an abstract trace
-    of the model that records its module calls."""
+def _layer_dims(call, unit: str, stored: dict) -> tuple:
+    """The leading dims a lifted unit's call does not see (its stack's layers), () if none."""
+    if not call.param_ndims:
+        return ()
+    leaf, ndim = call.param_ndims[0]
+    shape = stored[f"{unit}/{leaf}"]
+    return tuple(shape[: len(shape) - ndim])
+
+
+def _with_layer_index(variables, layers: dict):
+    """`variables` with, under each stacked unit's parameters, a `LAYER` leaf holding each
+    layer's flat index, so the unit can take its slice of the whole stack (stages 1-2)."""
+    params = dict(variables[PARAMS])
+    for unit, dims in layers.items():
+        if not dims:
+            continue
+        keys = unit.split("/")
+        node = params
+        for key in keys[:-1]:
+            node[key] = dict(node[key])
+            node = node[key]
+        index = jax.numpy.arange(int(np.prod(dims)), dtype=np.int32).reshape(dims)
+        node[keys[-1]] = {**node[keys[-1]], LAYER: index}
+    return {**variables, PARAMS: params}
+
+
+def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> dict:
+    """{path: ModuleCall} of the modules gathered as units (`flax.units`), from an abstract
+    trace of the model that records its module calls."""
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if is_array(x)]
     run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
@@ -273,7 +326,7 @@ def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> frozenset:
         jax.eval_shape(
             run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
         )
-    return select_units(found, cfg.units)
+    return {u: found[u] for u in sorted(select_units(found, cfg.units))}
 
 
 def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, axis, local_rows: set, scale=None):

@@ -238,7 +238,7 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
             if layout and any(layout.axes):
                 reason += f" (tensor axes {layout.spec()})"
             dim = split_dim(sharded, cfg.axis)
-            grad = sharded if cfg.shards_gradients else whole
+            grad = sharded if cfg.shards_optimizer_state else whole  # reduce-scattered
         elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
             spec, reason = P(cfg.axis), "per-device buffer"
         elif cat == OPT_STATE:

@@ -44,6 +44,8 @@ from zerojax.comm.hierarchy import (
 )
 from zerojax.rules import spec_names
 
+LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
+
 _CONTEXT: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
     "zerojax_gather_context", default=None
 )
@@ -65,6 +67,7 @@ class GatherContext:
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     unit_buffers: bool = False  # each unit's split leaves gathered / reduced as one buffer
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
+    whole: dict | None = None  # stages 1-2: path -> the step's whole weight (nothing gathered)
 
 
 @contextlib.contextmanager
@@ -110,8 +113,9 @@ def gather_unit(module, args, kwargs):
         return out, written
 
     extra = ({c: v for c, v in module.variables.items() if c != "params"}, dict(scope.rngs))
-    params = module.variables["params"]
-    out, written = run_unit("/".join(module.path), params, apply, extra, args, kwargs)
+    params = dict(module.variables["params"])
+    layer = params.pop(LAYER, None)  # stages 1-2: which layer of a stack this call is
+    out, written = run_unit("/".join(module.path), params, apply, extra, args, kwargs, layer)
     _merge_counters(scope.rng_counters, after[0])  # as if the module had run bound
     for col, tree in written.items():
         for name, value in tree.items() if col != "params" else ():
@@ -134,7 +138,7 @@ def _merge_counters(into: dict, counters: dict) -> None:
             into[key] = value
 
 
-def run_unit(prefix: str, shards, apply, extra, args, kwargs):
+def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
     """`apply(params, extra, args, kwargs) -> (outputs, written state)` run as the stage-3 unit
     at path `prefix` whose parameters (`shards`, a pytree of this device's shards keyed below
     `prefix`) are gathered only while it runs; `extra` holds what else it reads (other
@@ -155,7 +159,21 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs):
         ctx.stored_ndim[_full_path(prefix, p)] > x.ndim
         for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
     )
-    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned)
+    whole, stacks = None, ctx.whole
+    if stacks is not None:  # stages 1-2: this call's slice of the step's whole weights
+        whole = jax.tree_util.tree_map_with_path(
+            lambda p, x: _layer_slice(stacks[_full_path(prefix, p)], x, layer), shards
+        )
+    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole)
+
+
+def _layer_slice(stack, leaf, layer):
+    """The slice of a whole stacked weight `stack` that layer `layer` (flat index over the
+    stack's leading dims, None when unstacked) of a unit whose leaf is `leaf` uses."""
+    if layer is None:
+        return stack
+    rows = stack.reshape(-1, *stack.shape[stack.ndim - leaf.ndim :])
+    return jax.lax.dynamic_index_in_dim(rows, layer.reshape(()), 0, keepdims=False)
 
 
 def _full_path(prefix, path) -> str:
@@ -262,9 +280,7 @@ def _per_device(shards, dims, ctx):
             return vary_over_replicas(x, ctx.comm)
         if ctx.reduce_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(ctx.reduce_dtype)
-        varying = jax.typeof(x).mat.varying  # axes x already varies over (a scan body's slice)
-        axes = tuple(a for a in spec_names(ctx.comm.data_axis) if a not in varying)
-        return jax.lax.pcast(x, axes, to="varying") if axes else x
+        return _varying(x, ctx)  # (a scan body's slice may vary already)
 
     return jax.tree_util.tree_map(one, shards, dims)
 
@@ -318,25 +334,47 @@ def _no_cotangent(x):
     return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
-def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False):
+def _weights(shards, dims, ctx, whole, wait):
+    """The unit's full weights: gathered from the shards (stage 3), or (stages 1-2) the step's
+    whole weights for split leaves and the leaf itself for whole ones."""
+    if whole is None:
+        return _gather(_depend(shards, wait), dims, ctx)
+    # per device, as a gathered weight is: its gradient leaves the unit unreduced, for the
+    # reduce-scatter (an invariant weight's gradient would be all-reduced by autodiff first)
+    return jax.tree_util.tree_map(
+        lambda x, w, d: _varying(w, ctx) if d >= 0 else to_compute(x, ctx.compute_dtype),
+        shards,
+        whole,
+        dims,
+    )
+
+
+def _varying(x, ctx):
+    """`x` cast to a per-device value over the data axes it does not yet vary over."""
+    varying = jax.typeof(x).mat.varying
+    axes = tuple(a for a in spec_names(ctx.comm.data_axis) if a not in varying)
+    return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+
+def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None):
     """`apply(gathered params, extra, args, kwargs) -> (outputs, written state)` with the memory
     behaviour of the module docstring; backward recomputes it with the same `extra` (the same
     RNG keys, so the same dropout masks)."""
     hpz = ctx.comm.secondary is not None
 
     @jax.custom_vjp
-    def run(shards, args, extra, anchor, scale):
-        return apply(_gather(_depend(shards, anchor), dims, ctx), extra, args, kwargs)
+    def run(shards, whole, args, extra, anchor, scale):
+        return apply(_weights(shards, dims, ctx, whole, anchor), extra, args, kwargs)
 
-    def fwd(shards, args, extra, anchor, scale):
+    def fwd(shards, whole, args, extra, anchor, scale):
         saved = _to_memory(args, jax.memory.Space.Host) if ctx.offload_activations else args
-        params = _gather(_depend(shards, anchor), dims, ctx)
+        params = _weights(shards, dims, ctx, whole, anchor)
         secondary = _secondary(params, dims, ctx) if hpz else []
         out = apply(params, extra, args, kwargs)
-        return out, (shards, secondary, saved, extra, anchor, scale)
+        return out, (shards, whole, secondary, saved, extra, anchor, scale)
 
     def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
-        shards, secondary, args, extra, anchor, scale = res
+        shards, whole, secondary, args, extra, anchor, scale = res
         ct = ct[0]  # the written state is not differentiated
         if ctx.offload_activations:
             args = _to_memory(args, jax.memory.Space.Device)
@@ -344,13 +382,14 @@ def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False):
         params = (
             _from_secondary(_depend(secondary, wait), shards, dims, ctx)
             if hpz
-            else _gather(_depend(shards, wait), dims, ctx)
+            else _weights(shards, dims, ctx, whole, wait)
         )
         _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, args)
         dparams, dargs = vjp(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)
         return (
             _scatter(dparams, dims, shards, ctx, scale),
+            None,  # the whole weights are the step's copy, not differentiated here
             dargs,
             jax.tree_util.tree_map(_no_cotangent, extra),
             zero(anchor),
@@ -359,4 +398,5 @@ def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False):
 
     run.defvjp(fwd, bwd)
     shards = _per_device(shards, dims, ctx)
-    return run(shards, args, extra, _scalar(_anchor(ctx, "fwd", args, scanned)), ctx.scale)
+    anchor = _scalar(_anchor(ctx, "fwd", args, scanned))
+    return run(shards, whole, args, extra, anchor, ctx.scale)

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 
 from zerojax.flax.gather import run_unit
-from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch
+from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, leaf_ndims
 
 # handler(module, call, path, args, kwargs) for roots' calls, while a zerojax step is traced
 _ROOT_HANDLER: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_root", default=None)
@@ -109,6 +109,7 @@ def _record(module, path: str) -> ModuleCall:
         lifted=_param_dims(module) < (_STORED_DIMS.get() or {}).get(path, 0),  # nnx.scan's slice
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(jax.tree_util.tree_leaves(params)),
+        param_ndims=leaf_ndims(nnx.to_pure_dict(params)),
     )
 
 

@@ -19,6 +19,8 @@ import re
 import warnings
 
 import flax.linen as nn
+import jax
+import numpy as np
 from flax.core.scope import Scope
 
 from zerojax.errors import ZeroWarning
@@ -44,6 +46,7 @@ class ModuleCall:
     lifted: bool  # the body of a lifted transform (nn.scan, nn.remat)
     marked: bool  # its class went through gather_on_use
     has_params: bool
+    param_ndims: tuple = ()  # ((leaf path below the module, ndim seen by the call), ...)
 
 
 _DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (innermost last)
@@ -84,6 +87,14 @@ def _record(module, path) -> ModuleCall:
         lifted=bool(module.path) and isinstance(module.parent, Scope),
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(module.variables.get("params")),
+        param_ndims=leaf_ndims(module.variables.get("params", {})),
+    )
+
+
+def leaf_ndims(params) -> tuple:
+    return tuple(
+        ("/".join(str(getattr(k, "key", k)) for k in p), np.ndim(x))
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
     )
 
 
