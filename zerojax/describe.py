@@ -35,7 +35,7 @@ class LeafRow:
     total_bytes: int
     split: bool  # the stage means to split this leaf
     replicated: bool  # ...and it stays whole on every device
-    unit: str = ""  # the stage-3 unit gathering this parameter, when known
+    unit: str = ""  # the unit of this parameter (stage 3: gathers it; 1-2: reduces it), if known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +119,7 @@ def leaf_rows(zero, state, units: dict | None = None) -> list[LeafRow]:
 
 def describe(zero, state, tolerance: float | None = None, units: dict | None = None) -> Description:
     """The `Description` of `state` under `zero`, with the replicated-bytes guard; `units`:
-    {leaf path: its stage-3 unit}, shown as a column when given."""
+    {leaf path: its unit}, shown as a column when given."""
     out = Description(tuple(leaf_rows(zero, state, units)), zero.mesh.size, zero.config.stage)
     fraction = out.replicated_fraction
     names = ", ".join(

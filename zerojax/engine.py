@@ -96,7 +96,7 @@ class ZeroShard:
     def plan(self, state: PyTree, *, step: ZeroStep | None = None, batch=None) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
         (NNX objects: for their dict state, see zerojax.flax.nnx). Given the `step` and a
-        `batch`, each parameter also names its stage-3 unit (found by tracing the step)."""
+        `batch`, each parameter also names its unit (found by tracing the step)."""
         plans = list(self.layout(state).plans)
         if step is None:
             return plans
@@ -270,7 +270,7 @@ class ZeroShard:
     ) -> Description:
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
-        bytes per device, and (given the `step` and a `batch`) each parameter's stage-3 unit.
+        bytes per device, and (given the `step` and a `batch`) each parameter's unit.
         Warns when over 1% of the bytes this stage splits stay replicated, raises ZeroError
         above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
         from zerojax.describe import describe
