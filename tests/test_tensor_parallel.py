@@ -1,8 +1,8 @@
 """ZeRO on the 'data' axis composed with the tensor-parallel layout a Linen model declares
 (`nn.with_logical_partitioning` + logical rules) on a ('data', 'model') mesh: zerojax's own
 collectives run manual over the data axes only (`comm.hierarchy.manual_over_data`), the
-model axis stays XLA's, so reduce-scatter, units, 16-bit precision, ZeRO++, MiCS, activation
-offload and local accumulation all work there."""
+model axis stays XLA's, so reduce-scatter (stages 1-3), units, 16-bit precision, ZeRO++,
+MiCS, activation offload and local accumulation all work there."""
 
 import re
 import warnings
@@ -115,9 +115,9 @@ def test_tensor_parallel_plus_zero_matches_one_device(stage):
     assert "model" in str(kernel.sharding.spec)  # the model's TP layout at every stage
     assert ("data" in str(kernel.sharding.spec)) == (stage == 3)
     # zerojax's own collectives, over the data axis only ('model' is left to XLA)
-    assert zstep.units == (("MLPBlock_0", "MLPBlock_1") if stage == 3 else ())
+    assert zstep.units == (("MLPBlock_0", "MLPBlock_1") if stage >= 1 else ())
     groups = reduce_scatter_groups(zstep.lower(state, data(1)[0]).compile().as_text())
-    assert (groups == {DATA_GROUPS}) if stage >= 2 else not groups, groups
+    assert (groups == {DATA_GROUPS}) if stage >= 1 else not groups, groups
 
 
 # the 'data' axis of the (4, 2) mesh: devices [[0, 1], [2, 3], [4, 5], [6, 7]]

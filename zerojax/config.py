@@ -80,7 +80,7 @@ class ZeroConfig:
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around the model (a
     Linen `state.apply_fn` or closure's `model.apply` on the batch, an NNX model the step
-    receives): a real reduce-scatter for stages 2-3 on every backend. False leaves every
+    receives): a real reduce-scatter for stages 1-3 on every backend. False leaves every
     collective to XLA's partitioner, which on CPU turns stage 2's reduce-scatter into an
     all-reduce. Models with dropout, batch statistics or tensor-parallel axes run there too
     (`zerojax.device_values`); a step that calls no model zerojax can run per device uses
@@ -167,7 +167,7 @@ class ZeroConfig:
     """Where gradients accumulate between micro-batches. 'local': each device sums its own
     unreduced gradients and they are reduced once per optimizer step (communication does not
     grow with k; full-size fp32 buffer per device; stages 0-2). 'reduced': reduce every
-    micro-batch into the stage's gradient layout (sharded for stages 2-3: least memory,
+    micro-batch into the stage's gradient layout (sharded for stages 1-3: least memory,
     k times the gradient communication). 'auto': local for stages 0-2, reduced for stage 3."""
 
     gradient_clipping: float = 0.0

@@ -256,7 +256,7 @@ ZERO_OPTIMIZATION = {
         "(zerojax sets it on by default, see zerojax.xla_flags)"
     ),
     "contiguous_gradients": _ignored("XLA plans gradient buffers itself"),
-    "reduce_scatter": _ignored("zerojax always reduce-scatters gradients at stages 2-3"),
+    "reduce_scatter": _ignored("zerojax always reduce-scatters gradients at stages 1-3"),
     "reduce_bucket_size": _ignored(XLA_COMBINES),
     "allgather_bucket_size": _ignored(XLA_COMBINES),
     "allgather_partitions": _ignored("stages 1-2 always all-gather the updated parameters"),
