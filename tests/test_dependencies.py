@@ -57,7 +57,7 @@ def test_shard_map_values_say_which_axes_they_vary_over():
     jax.jit(run).trace(np.zeros(jax.device_count(), np.float32), np.zeros(3, np.float32))
     assert seen == [(frozenset({"data"}), frozenset())], (
         "jax.typeof(x).mat.varying no longer names the manual axes a value varies over: "
-        "zerojax.flax.gather._per_device reads it to cast a unit's whole leaves to per-device "
+        "zerojax.device_values.varying reads it to cast a unit's whole leaves to per-device "
         f"values only over the axes they do not vary over yet (got {seen}); find its new name."
     )
 

@@ -53,7 +53,7 @@ def from_device_0(x, axis):
     if is_key(x):
         data = from_device_0(jax.random.key_data(x), axis)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jax.lax.all_gather(_varying(x, axis), axis, to="invarying")[0]
+    return jax.lax.all_gather(varying(x, axis), axis, to="invarying")[0]
 
 
 def device_mean(tree, axis):
@@ -65,10 +65,11 @@ def device_mean(tree, axis):
     )
 
 
-def _varying(x, axis):
-    """`x` marked as varying over `axis` (a collective over it needs a per-device value)."""
-    varying = jax.typeof(x).mat.varying
-    axes = tuple(a for a in spec_names(axis) if a not in varying)
+def varying(x, axis):
+    """`x` marked as varying over `axis` (a collective over it needs a per-device value); the
+    axes it already varies over (a scan body's slice) are left as they are."""
+    already = jax.typeof(x).mat.varying
+    axes = tuple(a for a in spec_names(axis) if a not in already)
     return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
@@ -86,7 +87,7 @@ def combine_state(new, given: dict, axis, local_rows: set):
             return given[path]
         per_example = path not in given and jnp.ndim(x) >= 1 and jnp.shape(x)[0] in local_rows
         if per_example:
-            return jax.lax.all_gather(_varying(x, axis), axis, tiled=True, to="invarying")
-        return device_mean(_varying(x, axis), axis)
+            return jax.lax.all_gather(varying(x, axis), axis, tiled=True, to="invarying")
+        return device_mean(varying(x, axis), axis)
 
     return jax.tree_util.tree_map_with_path(one, new)

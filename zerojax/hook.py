@@ -120,15 +120,15 @@ def hooked_apply_fn(
         is_param = [bool(p) and key_name(p[0]) == PARAMS for p, _ in flat_vars]
         store = tuple(P() if p is None else p.spec for p in leaf_plans)
         grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
+        stored = {  # each parameter's shape as the state stores it (a stack's with its layers)
+            path_str(p[1:]): np.shape(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
+        }
         # leaves of units enter as shards: stage 3 gathers them per unit; stages 1-2 use the
         # step's whole copy and reduce-scatter each unit's gradient as backward leaves it
         units, layers = (), {}
         if cfg.shards_parameters or cfg.reduces_per_unit:
             keys = {} if rngs is None else {"rngs": rngs}
             found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
-            stored = {
-                path_str(p[1:]): np.shape(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
-            }
             layers = {u: _layer_dims(found[u], u, stored) for u in found}
             if not cfg.shards_parameters and not linen:  # NNX stacks: no layer index to read
                 layers = {u: d for u, d in layers.items() if not d}
@@ -184,9 +184,7 @@ def hooked_apply_fn(
                 for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)
                 if plan is not None
             },
-            stored_ndim={
-                path_str(p[1:]): np.ndim(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
-            },
+            stored_ndim={path: len(shape) for path, shape in stored.items()},
         )
 
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))

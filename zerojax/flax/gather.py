@@ -42,7 +42,7 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
-from zerojax.rules import spec_names
+from zerojax.device_values import varying
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
 
@@ -280,7 +280,7 @@ def _per_device(shards, dims, ctx):
             return vary_over_replicas(x, ctx.comm)
         if ctx.reduce_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(ctx.reduce_dtype)
-        return _varying(x, ctx)  # (a scan body's slice may vary already)
+        return varying(x, ctx.comm.data_axis)
 
     return jax.tree_util.tree_map(one, shards, dims)
 
@@ -342,18 +342,13 @@ def _weights(shards, dims, ctx, whole, wait):
     # per device, as a gathered weight is: its gradient leaves the unit unreduced, for the
     # reduce-scatter (an invariant weight's gradient would be all-reduced by autodiff first)
     return jax.tree_util.tree_map(
-        lambda x, w, d: _varying(w, ctx) if d >= 0 else to_compute(x, ctx.compute_dtype),
+        lambda x, w, d: (
+            varying(w, ctx.comm.data_axis) if d >= 0 else to_compute(x, ctx.compute_dtype)
+        ),
         shards,
         whole,
         dims,
     )
-
-
-def _varying(x, ctx):
-    """`x` cast to a per-device value over the data axes it does not yet vary over."""
-    varying = jax.typeof(x).mat.varying
-    axes = tuple(a for a in spec_names(ctx.comm.data_axis) if a not in varying)
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None):
