@@ -24,6 +24,9 @@ def parse(argv=None):
     p.add_argument("--config", help="DeepSpeed-style JSON (e.g. configs/zero3.json)")
     p.add_argument("--stage", type=int, help="overrides the config's stage (default 3)")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], help="overrides the config")
+    p.add_argument(
+        "--optimizer-state-dtype", choices=["fp32", "bf16"], help="Adam moments' dtype at rest"
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=32, help="global sequences per step")
     p.add_argument("--seq-len", type=int, help="default: the preset's")
@@ -189,7 +192,13 @@ def main(argv=None):
 
     cfg = LM_PRESETS[args.preset].replace(**({"seq_len": args.seq_len} if args.seq_len else {}))
     overrides = {
-        k: v for k, v in (("stage", args.stage), ("precision", args.precision)) if v is not None
+        k: v
+        for k, v in (
+            ("stage", args.stage),
+            ("precision", args.precision),
+            ("optimizer_state_dtype", args.optimizer_state_dtype),
+        )
+        if v is not None
     }
     if args.config is None:
         overrides.setdefault("stage", 3)
@@ -238,7 +247,8 @@ def main(argv=None):
         f"layers, seq {cfg.seq_len}), data: {source}\n"
         f"  {zero!r} on {jax.device_count()} {jax.devices()[0].platform} devices in {n_proc} "
         f"process(es); precision {zero.config.precision}, offload optimizer "
-        f"{zero.config.offload_optimizer} / param {zero.config.offload_param}\n"
+        f"{zero.config.offload_optimizer} / param {zero.config.offload_param}, optimizer "
+        f"state {zero.config.optimizer_state_dtype}\n"
         f"  per device: state at rest {mib(sum(report.resident.values()))}, host "
         f"{mib(sum(report.host_resident.values()))}, compiled peak {mib(report.peak_bytes)}; "
         f"communication {mib(report.sent_bytes)} sent per step"

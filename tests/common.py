@@ -181,3 +181,16 @@ def zeropp_setup(steps):
         persistence_threshold=0,
     )
     return lm_init(LM(cfg), optax.adam(1e-2)), lm_step, data, options
+
+
+def rounded_state(tx, dtype=jnp.bfloat16):
+    """The reference of optimizer_state_dtype='bf16': `tx` with its non-scalar floating state
+    rounded to `dtype` after init and after every update, and used in fp32."""
+    moment = lambda x: jnp.issubdtype(x.dtype, jnp.floating) and x.ndim > 0
+    cast = lambda tree, d: jax.tree_util.tree_map(lambda x: x.astype(d) if moment(x) else x, tree)
+
+    def update(grads, state, params=None):
+        updates, state = tx.update(grads, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda p: cast(tx.init(p), dtype), update)

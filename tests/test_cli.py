@@ -53,7 +53,9 @@ def test_plan_json_rows(tmp_path):
             "comm_bytes",
             "cross_node_bytes",
             "fits",
+            "peak_by_category",
         } <= set(r) and r["fits"] is True
+        assert sum(r["peak_by_category"].values()) <= r["peak_bytes"]
     psi = rows[0]["params"]
     # bf16 params + fp32 master + Adam: 14Ψ at stage 0, 14Ψ/N at stage 3 (small leaves whole)
     assert rows[0]["at_rest_bytes"] == pytest.approx(14 * psi, rel=1e-3)
@@ -78,8 +80,12 @@ def test_plan_table_and_bad_input():
         "--device-memory",
         "1MB",
         "--no-offload",
+        "--explain-peak",
     )
     assert out.returncode == 0 and "cheapest that fits 0.001 GB: none" in out.stdout
+    # what is alive at the peak, and the planning flag that keeps CPU-only weight copies out
+    assert "alive at the peak" in out.stdout and "of the compiled peak" in out.stdout
+    assert "while-loop-invariant-code-motion (zerojax plan" in out.stdout
     bad = _plan("--preset", "tiny", "--mesh", "3x3")
     assert bad.returncode != 0 and "NODES x LOCAL = --devices 8" in bad.stderr
     unknown = _plan("--preset", "13b")

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import zerojax as zj
-from tests.common import assert_trees_close
+from tests.common import assert_trees_close, rounded_state
 from tests.test_nnx_units import Transformer, data, train_step
 
 ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)
@@ -144,3 +144,19 @@ def test_nnx_with_zeropp_unit_buffers_and_bf16_trains_close_to_one_device():
     got = [float(step(model, optimizer, b)) for b in batches]
     assert step.used_explicit_collectives
     np.testing.assert_allclose(got, want, rtol=2e-3)  # int8 / int4 / bf16 rounding
+
+
+def test_nnx_bf16_optimizer_state_is_the_fp32_update_on_rounded_moments():
+    batches = data(3)
+    with jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make(rounded_state(ADAMW()))()
+        for b in batches:
+            nnx.jit(train_step)(ref_model, ref_opt, b)
+    zero = zj.zero_shard(stage=3, optimizer_state_dtype="bf16")
+    model, optimizer = zero.init(make(ADAMW()))
+    step = zero(train_step)
+    for b in batches:
+        step(model, optimizer, b)
+    moments = [x for x in jax.tree_util.tree_leaves(nnx.as_pure(optimizer.opt_state)) if x.ndim]
+    assert {x.dtype for x in moments} == {jnp.dtype(jnp.bfloat16)}
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))

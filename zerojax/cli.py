@@ -61,6 +61,11 @@ def plan_parser(sub) -> None:
     p.add_argument("--no-offload", action="store_true", help="skip the host-offload rows")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--dump-hlo", metavar="DIR", help="write partitioned and optimized HLO")
+    p.add_argument(
+        "--explain-peak",
+        action="store_true",
+        help="list what is alive at each row's compiled peak, by category, and its largest buffers",
+    )
 
 
 def _mesh_local(args) -> int | None:
@@ -91,6 +96,9 @@ def plan(args) -> int:
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from zerojax import xla_flags
+
+    xla_flags.apply_planning_flags()
     import jax
     import jax.numpy as jnp
     import optax
@@ -130,7 +138,7 @@ def plan(args) -> int:
     )
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
-    rows = []
+    rows, peaks = [], []
     for cfg_z in configs:
         cfg_z = cfg_z.replace(units=lm_units(cfg))  # attention and MLP apart, unless remat
         group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
@@ -150,6 +158,7 @@ def plan(args) -> int:
             else None
         )
         rep = zero.report(zero(train_step), state, batch, dump_to=dump)
+        peaks.append(rep.peak)
         rows.append(
             {
                 "stage": cfg_z.stage,
@@ -162,6 +171,7 @@ def plan(args) -> int:
                 "peak_bound_bytes": rep.peak_bound_bytes,
                 "at_rest_bytes": sum(rep.resident.values()),
                 "at_rest_by_category": rep.resident,
+                "peak_by_category": rep.peak.by_category() if rep.peak else None,
                 "host_bytes": sum(rep.host_resident.values()),
                 "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
                 "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
@@ -178,6 +188,12 @@ def plan(args) -> int:
         print(json.dumps(rows, indent=1))
     else:
         _print_table(rows, args, cfg)
+        for name in xla_flags.PLANNING:
+            print(f"XLA flag {name}: {xla_flags.effective()[name]}")
+    if args.explain_peak and not args.json:
+        for r, peak in zip(rows, peaks, strict=True):
+            print(f"\nstage {r['stage']}, offload {r['offload']}, ZeRO++ {r['zeropp']}: ", end="")
+            print(peak.format(top=8) if peak else "no live ranges")
     return 0
 
 

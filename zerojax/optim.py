@@ -106,6 +106,21 @@ def cast_floating(tree, dtype):
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _floating(x) else x, tree)
 
 
+def _moment(x) -> bool:
+    """A leaf `optimizer_state_dtype` applies to: floating and not a scalar (hyperparameters,
+    counts and loss-scale values stay as they are)."""
+    return _floating(x) and jnp.ndim(x) > 0
+
+
+def store_optimizer_state(inner, cfg: ZeroConfig, like=None):
+    """The user's optimizer state as it is kept between steps (`optimizer_state_dtype`); with
+    `like`, each leaf back in the dtype of `like`'s (the stored state the update started from)."""
+    if like is not None:
+        return jax.tree_util.tree_map(lambda x, old: x.astype(old.dtype), inner, like)
+    dtype = DTYPES[cfg.optimizer_state_dtype]
+    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _moment(x) else x, inner)
+
+
 def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     """A managed copy of `state` (unchanged if already managed). Runs under jit in zero.init."""
     if isinstance(getattr(state, "opt_state", None), ZeroOptState):
@@ -123,7 +138,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     )
     local = cfg.accumulates_locally
     opt = ZeroOptState(
-        inner=state.opt_state,
+        inner=store_optimizer_state(state.opt_state, cfg),
         master=params32 if cfg.precision != "fp32" else (),
         accum=zeros(()) if k > 1 and not local else (),
         per_device=zeros((axis_size,)) if local else (),
@@ -182,9 +197,10 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
         )
     master = opt.master if present(opt.master) else state.params
 
-    def update(master, inner, grads=grads):
+    def update(master, stored, grads=grads):
+        inner = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _moment(x) else x, stored)
         updates, inner = state.tx.inner.update(grads, inner, master)
-        return optax.apply_updates(master, updates), inner
+        return optax.apply_updates(master, updates), store_optimizer_state(inner, cfg, stored)
 
     if run_optimizer is not None:
         new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)

@@ -26,6 +26,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax import xla_flags
 from zerojax.describe import leaf_rows
+from zerojax.peak import Peak, explain_peak
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS, stage_splits
 from zerojax.state import split_call
 
@@ -181,6 +182,7 @@ class Report:
     alias_bytes: int
     temp_bytes: int
     collectives: list
+    peak: Peak | None = None  # what is alive at the compiled peak (XLA's live ranges)
     xla_flags: dict = dataclasses.field(default_factory=dict)  # zerojax's defaults in force
 
     @property
@@ -310,25 +312,39 @@ def _no_compilation_cache():
         compilation_cache.reset_cache()
 
 
-def compile_with_partitioned_hlo(lowered, devices: int):
-    """(compiled executable, text of the HLO module right after SPMD partitioning; on one
-    device, where nothing is partitioned, the compiled module). JAX's persistent compilation
-    cache is off for this one compile: an executable loaded from it was never partitioned
-    here, so XLA would dump nothing."""
+def compile_with_partitioned_hlo(lowered, devices: int, param_shapes=()):
+    """(compiled executable, text of the HLO module right after SPMD partitioning, the
+    `peak.Peak` of the optimized module). On one device, where nothing is partitioned, the
+    text is the compiled module's. JAX's persistent compilation cache is off for this one
+    compile: an executable loaded from it was never compiled here, so XLA would dump nothing."""
     with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp, _no_compilation_cache():
         compiled = lowered.compile(
             {"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"}
         )
+        peak = explain_peak(tmp, param_shapes)
         found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
         if not found and devices == 1:
-            return compiled, compiled.as_text()  # one device: nothing to partition
+            return compiled, compiled.as_text(), peak  # one device: nothing to partition
         if not found:
             raise RuntimeError(
                 "XLA wrote no module after SPMD partitioning; cannot count "
                 "collectives at their sent dtype."
             )
         with open(found[-1]) as f:
-            return compiled, f.read()
+            return compiled, f.read(), peak
+
+
+def _param_shapes(params) -> set:
+    """Dims a gradient of each parameter can have: whole, one device's shard, one layer of a
+    stacked (scanned) leaf."""
+    shapes = set()
+    for x in jax.tree_util.tree_leaves(params):
+        shape = tuple(x.shape)
+        shapes |= {shape, shape[1:]}
+        sharding = getattr(x, "sharding", None)
+        if sharding is not None and hasattr(sharding, "shard_shape"):
+            shapes.add(tuple(sharding.shard_shape(shape)))
+    return shapes
 
 
 def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -> Report:
@@ -336,7 +352,17 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
     k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
-    compiled, hlo = compile_with_partitioned_hlo(step.lower(state, batch, *extra), zero.mesh.size)
+    tree = split_call((state, batch, *extra))[0].tree  # NNX objects: their dict state
+    shapes = _param_shapes(
+        [
+            x
+            for p, x in zip(zero.plan(tree), jax.tree_util.tree_leaves(tree), strict=True)
+            if p.category == PARAMS
+        ]
+    )
+    compiled, hlo, peak = compile_with_partitioned_hlo(
+        step.lower(state, batch, *extra), zero.mesh.size, shapes
+    )
     if dump_to:
         for suffix, text in (
             (".partitioned.hlo.txt", hlo),
@@ -349,19 +375,22 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
-        micro, micro_hlo = compile_with_partitioned_hlo(
-            step.lower(state, batch, *extra, micro=True), zero.mesh.size
+        micro, micro_hlo, micro_peak = compile_with_partitioned_hlo(
+            step.lower(state, batch, *extra, micro=True), zero.mesh.size, shapes
         )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
-        temp = max(temp, int(micro.memory_analysis().temp_size_in_bytes))
-    state = split_call((state, batch, *extra))[0].tree  # NNX objects: their dict state
-    resident, host, kept = resident_bytes(zero, state)
+        if int(micro.memory_analysis().temp_size_in_bytes) > temp:
+            temp, peak = int(micro.memory_analysis().temp_size_in_bytes), micro_peak
+    resident, host, kept = resident_bytes(zero, tree)
     # CPU's memory_analysis counts host-memory arguments with the device's (its host fields
     # stay 0): take the offloaded state out of the arguments there
     host_args = int(mem.host_argument_size_in_bytes) or sum(host.values())
     device_args = int(mem.argument_size_in_bytes) - (
         0 if mem.host_argument_size_in_bytes else sum(host.values())
     )
+    if peak is not None:  # offloaded state lives in host memory, not in the device's peak
+        names = {PARAMS: "parameters", OTHER: "other state"}  # report.CATEGORIES -> peak's
+        peak = peak.on_device({names.get(c, c) for c in host}, device_args + temp)
     # the step brings offloaded state to the device: all of it when the update runs there,
     # only the parameters when it runs on the host
     streamed = host.get(PARAMS, 0) if zero.config.offload_update == "host" else sum(host.values())
@@ -378,5 +407,6 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=temp,
         collectives=collectives,
+        peak=peak,
         xla_flags=xla_flags.effective(),
     )

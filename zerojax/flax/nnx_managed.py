@@ -88,6 +88,7 @@ def manage_objects(objs: tuple, cfg: ZeroConfig, axis_size: int) -> None:
     )
     view = prepare_state(view, cfg, axis_size)
     _set_params(model, view.params)
+    nnx.update(optimizer.opt_state, nnx.state(view.opt_state.inner))  # optimizer_state_dtype
     optimizer.tx = view.tx
     setattr(optimizer, BUFFERS, ZeroBuffers(view.opt_state._replace(inner=())))
 
