@@ -81,7 +81,16 @@ def test_stage_3_gathers_parameters_and_reduce_scatters_gradients():
 
 def test_report_prints_a_table():
     text = str(report(2)[0])
-    for word in ("params", "optimizer state", "temporaries", "peak", "reduce-scatter", "f32"):
+    for word in (
+        "params",
+        "optimizer state",
+        "temporaries",
+        "peak",
+        "reduce-scatter",
+        "f32",
+        "alive at the peak",
+        "largest 5 buffers",
+    ):
         assert word in text
 
 

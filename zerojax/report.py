@@ -264,6 +264,8 @@ class Report:
             )
         if not self.collectives:
             lines.append("  (none)")
+        if self.peak is not None:
+            lines.append(self.peak.format(top=5).rstrip())
         for name, value in self.xla_flags.items():
             lines.append(f"XLA flag {name}: {value}")
         return "\n".join(lines)
