@@ -143,8 +143,10 @@ def test_plan_and_describe_name_each_parameters_unit():
         dict(mesh="local=4", hpz_partition_size=4),  # hpZ: backward gathers inside the node
         dict(mesh="local=4", mics_shard_size=4),  # MiCS: state split over 4, replicated over 2
         dict(offload_optimizer="cpu", offload_param="cpu"),  # state at rest on the host
+        # forward saves activations, backward re-gathers from hpZ's secondary copy
+        dict(mesh="local=4", hpz_partition_size=4, recompute_units=False),
     ],
-    ids=["hpz", "mics", "offload"],
+    ids=["hpz", "mics", "offload", "hpz-saved-activations"],
 )
 def test_nnx_zeropp_and_offload_match_single_device(options):
     batches = data(2)

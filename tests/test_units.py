@@ -278,3 +278,49 @@ def test_a_closure_called_model_gets_the_explicit_collectives(stage):
     hlo = got_step.lower(got, data[0]).as_text()
     # stages 2-3 reduce-scatter the gradients, as a state.apply_fn step does
     assert ("reduce_scatter" in hlo) == (stage >= 2), stage
+
+
+@pytest.mark.parametrize("stage, scan", [(3, True), (2, False)] + slow((3, False), (2, True)))
+def test_saved_activations_instead_of_recomputation_match_single_device(stage, scan):
+    # recompute_units=False: forward keeps autodiff's residuals less the weights, backward
+    # re-gathers the weights and uses them (tests/test_units.py's Transformer, GELU, attention)
+    model, seq = Transformer(2, scan), 16
+    data = [
+        np.random.default_rng(i).integers(0, 128, (16, seq + 1), dtype=np.int32) for i in range(3)
+    ]
+    state = jax.device_put(init_fn(model, seq)(jax.random.key(0)), jax.devices()[0])
+    zero = zj.zero_shard(stage=stage, recompute_units=False)
+    got, want, _ = train_both(zero, step, state, data)
+    assert_trees_close(got.params, want.params)
+
+
+def test_saved_activations_never_include_the_weights():
+    from zerojax.flax.gather import _forward_saving_activations
+
+    def apply(dtype):
+        return lambda p, extra, a, kw: (nn.Dense(8, dtype=dtype).apply({"params": p}, a), {})
+
+    params = nn.Dense(8).init(jax.random.key(0), jnp.ones((2, 8)))["params"]
+    x = jnp.ones((2, 8))
+
+    def saved(dtype):  # traced, as inside a step
+        got = {}
+
+        def forward(p, a):
+            out, (_, slots, kept) = _forward_saving_activations(apply(dtype), p, None, a, {})
+            got.update(slots=slots, kept=[k.shape for k in kept])
+            return out
+
+        jax.jit(forward)(params, x)
+        return got["slots"], got["kept"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        slots, kept = saved(None)
+    # the kernel is used where it was (a slot), never kept; the input is kept
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert paths.index("['kernel']") in slots
+    assert kept == [(2, 8)]
+    # a module that casts its weights keeps a copy of them: said, with the fix
+    with pytest.warns(zj.ZeroWarning, match="copy of a \\(8, 8\\) weight"):
+        saved(jnp.bfloat16)

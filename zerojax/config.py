@@ -70,6 +70,13 @@ class ZeroConfig:
     scanned stack's gradient is never whole; NNX `nnx.scan` stacks excepted, reduced at the
     end of backward); stage 0 ignores it (like prefetch)."""
 
+    recompute_units: bool = True
+    """Stages 1-3 units: True, backward recomputes a unit's forward from its saved input (the
+    least memory: a unit's activations exist only while it runs); False, forward saves the
+    unit's activations and backward only re-gathers its weights (DeepSpeed without activation
+    checkpointing: no recomputation, the activations of every unit alive until backward).
+    Either way the gathered weights are never kept between forward and backward."""
+
     unit_buffers: bool = False
     """Stage 3 units: gather each unit's split weights as one buffer (one all-gather each way)
     and reduce-scatter its gradients as one, instead of one collective per leaf. Fewer, larger

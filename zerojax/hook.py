@@ -177,6 +177,7 @@ def hooked_apply_fn(
             reduce_dtype=dtypes_reduce,
             prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
+            recompute=cfg.recompute_units,
             units=frozenset(units),
             unit_buffers=cfg.unit_buffers,
             split_dims={

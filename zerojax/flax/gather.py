@@ -2,17 +2,18 @@
 
 Which modules are units is decided in `zerojax.flax.units`; this module runs one.
 Inside a zerojax stage-3 step a unit receives its parameters as this device's shards and runs
-through `layer_call`, a custom VJP:
-forward all-gathers the weights, runs the layer and keeps only the shards and the layer input;
-backward all-gathers the weights again, recomputes the layer, reduce-scatters the weight
-gradient at once and drops the gathered copy. Each gather is made to depend on the layer's
-input (forward) or cotangent (backward), so XLA cannot issue them all up front, and the
-backward gather cannot be merged with the forward one. With `prefetch=1` an unrolled layer's
-gather depends instead on the previous gathered layer's input (cotangent in backward), so it
-can run while that layer computes. Inside a scanned loop body the first gathered module has no
-anchor (XLA's collective pipeliner, on GPU, may move the next iteration's gather into the
-current one) and the modules after it in the body wait for their own input, so the body holds
-one module's weights at a time.
+through `layer_call`, a custom VJP: forward all-gathers the weights, runs the layer and keeps
+only the shards and the layer input; backward all-gathers the weights again, recomputes the
+layer, reduce-scatters the weight gradient at once and drops the gathered copy. With
+`recompute_units=False` forward keeps the layer's activations (autodiff's residuals less the
+weights) and backward only re-gathers. Each gather is made to depend on the layer's input
+(forward) or cotangent (backward), so XLA cannot issue them all up front, and the backward
+gather cannot be merged with the forward one. With `prefetch=1` an unrolled layer's gather
+depends instead on the previous gathered layer's input (cotangent in backward), so it can run
+while that layer computes. Inside a scanned loop body the first gathered module has no anchor
+(XLA's collective pipeliner, on GPU, may move the next iteration's gather into the current one)
+and the modules after it in the body wait for their own input, so the body holds one module's
+weights at a time.
 With `offload_activations`, the one activation a layer saves for backward, its input, is kept
 in pinned host memory until its backward needs it. ZeRO++: the gathers may move int8 blocks
 (qwZ) and the reduce-scatters quantized blocks (qgZ), see `comm.hierarchy`; with hpZ the layer
@@ -25,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +45,7 @@ from zerojax.comm.hierarchy import (
     vary_over_replicas,
 )
 from zerojax.device_values import varying
+from zerojax.errors import ZeroWarning
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
 
@@ -64,6 +67,7 @@ class GatherContext:
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
     prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory
+    recompute: bool = True  # backward recomputes the unit (else: forward saves its activations)
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     unit_buffers: bool = False  # each unit's split leaves gathered / reduced as one buffer
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
@@ -351,6 +355,35 @@ def _weights(shards, dims, ctx, whole, wait):
     )
 
 
+def _forward_saving_activations(apply, params, extra, args, kwargs):
+    """(outputs, (treedef, slots, saved)): the unit's forward with autodiff's residuals for its
+    backward, less its weights (`slots[i]`: the index of the weight residual i is, or None for
+    an activation kept in `saved`), which backward gathers again rather than keep."""
+    out, vjp, state = jax.vjp(lambda p, a: apply(p, extra, a, kwargs), params, args, has_aux=True)
+    residuals, treedef = jax.tree_util.tree_flatten(vjp)
+    position = {id(w): i for i, w in enumerate(jax.tree_util.tree_leaves(params))}
+    slots = [position.get(id(r)) for r in residuals]
+    saved = [r for r, s in zip(residuals, slots, strict=True) if s is None]
+    shapes = {(w.shape, w.dtype) for w in jax.tree_util.tree_leaves(params) if w.ndim >= 2}
+    copies = [
+        r
+        for r in saved
+        if r.ndim >= 2
+        and (r.shape, r.dtype) not in shapes
+        and any(r.shape == shape for shape, _ in shapes)
+    ]
+    if copies:
+        warnings.warn(
+            f"recompute_units=False: a unit keeps a {copies[0].dtype} copy of a "
+            f"{copies[0].shape} weight between forward and backward (its module casts its "
+            "parameters, e.g. a `dtype=` argument), so that weight stays gathered; set the "
+            "module's param_dtype to the compute dtype, or keep recompute_units=True.",
+            ZeroWarning,
+            stacklevel=2,
+        )
+    return (out, state), (treedef, slots, saved)
+
+
 def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None):
     """`apply(gathered params, extra, args, kwargs) -> (outputs, written state)` with the memory
     behaviour of the module docstring; backward recomputes it with the same `extra` (the same
@@ -361,25 +394,38 @@ def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, who
     def run(shards, whole, args, extra, anchor, scale):
         return apply(_weights(shards, dims, ctx, whole, anchor), extra, args, kwargs)
 
+    saved_layout = {}  # recompute=False: the residuals' structure and where the weights go
+
     def fwd(shards, whole, args, extra, anchor, scale):
-        saved = _to_memory(args, jax.memory.Space.Host) if ctx.offload_activations else args
         params = _weights(shards, dims, ctx, whole, anchor)
         secondary = _secondary(params, dims, ctx) if hpz else []
-        out = apply(params, extra, args, kwargs)
+        if ctx.recompute:
+            out, saved = apply(params, extra, args, kwargs), args
+        else:
+            out, saved = _forward_saving_activations(apply, params, extra, args, kwargs)
+            saved_layout["treedef"], saved_layout["slots"], saved = saved
+        if ctx.offload_activations:
+            saved = _to_memory(saved, jax.memory.Space.Host)
         return out, (shards, whole, secondary, saved, extra, anchor, scale)
 
     def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
-        shards, whole, secondary, args, extra, anchor, scale = res
+        shards, whole, secondary, saved, extra, anchor, scale = res
         ct = ct[0]  # the written state is not differentiated
         if ctx.offload_activations:
-            args = _to_memory(args, jax.memory.Space.Device)
+            saved = _to_memory(saved, jax.memory.Space.Device)
         wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
         params = (
             _from_secondary(_depend(secondary, wait), shards, dims, ctx)
             if hpz
             else _weights(shards, dims, ctx, whole, wait)
         )
-        _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, args)
+        if ctx.recompute:
+            _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, saved)
+        else:  # the saved activations, with the weights gathered again where they were used
+            weights = jax.tree_util.tree_leaves(params)
+            found = iter(saved)
+            leaves = [next(found) if s is None else weights[s] for s in saved_layout["slots"]]
+            vjp = jax.tree_util.tree_unflatten(saved_layout["treedef"], leaves)
         dparams, dargs = vjp(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)
         return (
