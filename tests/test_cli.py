@@ -81,11 +81,16 @@ def test_plan_table_and_bad_input():
         "1MB",
         "--no-offload",
         "--explain-peak",
+        "--memory-budget",
+        "1GB",
     )
     assert out.returncode == 0 and "cheapest that fits 0.001 GB: none" in out.stdout
     # what is alive at the peak, and the planning flag that keeps CPU-only weight copies out
     assert "alive at the peak" in out.stdout and "of the compiled peak" in out.stdout
     assert "while-loop-invariant-code-motion (zerojax plan" in out.stdout
+    # the budget's choice (remat blocks: keeping them gathered would save nothing)
+    assert "memory_budget 953.7 MiB: stage 3 needs at least" in out.stdout
+    assert "kept gathered: none" in out.stdout
     bad = _plan("--preset", "tiny", "--mesh", "3x3")
     assert bad.returncode != 0 and "NODES x LOCAL = --devices 8" in bad.stderr
     unknown = _plan("--preset", "13b")

@@ -20,19 +20,15 @@ import re
 import sys
 from typing import Any
 
-UNITS = {"": 1, "B": 1} | {
-    p + suffix: base**i
-    for i, p in enumerate("KMGT", 1)
-    for suffix, base in (("B", 1000), ("IB", 1024))
-}
-
 
 def parse_bytes(text: str) -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30 (GB is decimal, GiB binary)."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GB or 80GiB")
-    return int(float(m.group(1)) * UNITS[m.group(2).upper()])
+    from zerojax.config import ZeroError, size_in_bytes
+
+    try:
+        return size_in_bytes(text)
+    except ZeroError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 80GB or 80GiB") from None
 
 
 def plan_parser(sub) -> None:
@@ -61,6 +57,11 @@ def plan_parser(sub) -> None:
     p.add_argument("--no-offload", action="store_true", help="skip the host-offload rows")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
     p.add_argument("--dump-hlo", metavar="DIR", help="write partitioned and optimized HLO")
+    p.add_argument(
+        "--memory-budget",
+        type=parse_bytes,
+        help="e.g. 60GB: stage 3 rows keep units gathered as far as it allows (see budget)",
+    )
     p.add_argument(
         "--explain-peak",
         action="store_true",
@@ -157,7 +158,12 @@ def plan(args) -> int:
             if args.dump_hlo
             else None
         )
-        rep = zero.report(zero(train_step), state, batch, dump_to=dump)
+        if args.memory_budget and cfg_z.stage == 3:
+            zero = zj.zero_shard(
+                config=cfg_z.replace(memory_budget=args.memory_budget), mesh=zero.mesh
+            )
+        step = zero(train_step)
+        rep = zero.report(step, state, batch, dump_to=dump)
         peaks.append(rep.peak)
         rows.append(
             {
@@ -172,6 +178,7 @@ def plan(args) -> int:
                 "at_rest_bytes": sum(rep.resident.values()),
                 "at_rest_by_category": rep.resident,
                 "peak_by_category": rep.peak.by_category() if rep.peak else None,
+                "budget": str(step.budget) if step.budget else None,
                 "host_bytes": sum(rep.host_resident.values()),
                 "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
                 "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
@@ -190,6 +197,9 @@ def plan(args) -> int:
         _print_table(rows, args, cfg)
         for name in xla_flags.PLANNING:
             print(f"XLA flag {name}: {xla_flags.effective()[name]}")
+        for r in rows:
+            if r["budget"]:
+                print(f"stage 3, offload {r['offload']}, ZeRO++ {r['zeropp']}: {r['budget']}")
     if args.explain_peak and not args.json:
         for r, peak in zip(rows, peaks, strict=True):
             print(f"\nstage {r['stage']}, offload {r['offload']}, ZeRO++ {r['zeropp']}: ", end="")

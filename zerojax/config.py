@@ -77,6 +77,19 @@ class ZeroConfig:
     checkpointing: no recomputation, the activations of every unit alive until backward).
     Either way the gathered weights are never kept between forward and backward."""
 
+    keep_gathered: Any = ()
+    """Stage 3: regexes (matched whole) of unit paths whose gathered weights stay alive from
+    forward to backward, which then gathers nothing for them: one all-gather less per unit and
+    step, for those weights whole in memory in between (DeepSpeed's "selective unsharding").
+    Usually chosen by `memory_budget`."""
+
+    memory_budget: Any = 0
+    """Stage 3: the most a device may hold at the compiled peak ('70GB', '800MiB', bytes, or a
+    fraction of the device's memory such as 0.9; 0: no budget). At the first call zerojax
+    compiles the step as is (the smallest peak: a ZeroError names it if the budget is below)
+    and then keeps gathered, by `keep_gathered`, as many units as fit, those whose gathers
+    move the most bytes first; `step.budget` says what it chose. Stages 0-2: only checked."""
+
     unit_buffers: bool = False
     """Stage 3 units: gather each unit's split weights as one buffer (one all-gather each way)
     and reduce-scatter its gradients as one, instead of one collective per leaf. Fewer, larger
@@ -261,12 +274,38 @@ class ZeroConfig:
                 )
         object.__setattr__(self, "logical_rules", logical)
         self._check_units()
+        self._check_budget()
         for name in _BOOLEANS:
             if not isinstance(getattr(self, name), bool):
                 raise ZeroError(f"{name} must be True or False (got {getattr(self, name)!r}).")
         self._check_update_options()
         self._check_offload_options()
         self._check_zeropp_options()
+
+    def _check_budget(self):
+        keep = (self.keep_gathered,) if isinstance(self.keep_gathered, str) else self.keep_gathered
+        if not isinstance(keep, (tuple, list)) or not all(isinstance(p, str) for p in keep):
+            raise ZeroError(
+                f"keep_gathered must be a regex or a tuple of regexes of unit paths (got "
+                f"{self.keep_gathered!r}), e.g. keep_gathered=(r'block_[0-3]',)."
+            )
+        for pattern in keep:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ZeroError(f"keep_gathered regex {pattern!r} does not compile: {e}.") from None
+        object.__setattr__(self, "keep_gathered", tuple(keep))
+        budget = self.memory_budget
+        if isinstance(budget, str):
+            budget = size_in_bytes(budget, "memory_budget")
+        elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget < 0:
+            budget = -1
+        if budget < 0 or (isinstance(budget, float) and budget > 1):
+            raise ZeroError(
+                f"memory_budget must be a size ('70GB', '800MiB', bytes) or a fraction of the "
+                f"device's memory in (0, 1] (got {self.memory_budget!r}); 0 for none."
+            )
+        object.__setattr__(self, "memory_budget", budget)
 
     def _check_units(self):
         units = tuple(self.units) if isinstance(self.units, list) else self.units
@@ -486,6 +525,21 @@ class ZeroConfig:
 
 
 PRESETS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+SIZE_UNITS = {"": 1, "B": 1} | {
+    p + suffix: base**i
+    for i, p in enumerate("KMGT", 1)
+    for suffix, base in (("B", 1000), ("IB", 1024))
+}
+
+
+def size_in_bytes(text: str, name: str = "size") -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30 (GB is decimal, GiB binary)."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in SIZE_UNITS:
+        raise ZeroError(f"{name}: {text!r} is not a size such as 80GB or 80GiB.")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
 
 
 def presets() -> list[str]:

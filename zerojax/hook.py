@@ -178,6 +178,7 @@ def hooked_apply_fn(
             prefetch=cfg.prefetch,
             offload_activations=cfg.offload_activations,
             recompute=cfg.recompute_units,
+            keep_gathered=cfg.keep_gathered,
             units=frozenset(units),
             unit_buffers=cfg.unit_buffers,
             split_dims={

@@ -62,12 +62,31 @@ class ZeroStep:
         self._last_micro: weakref.ref | None = None
         self._next_micro, self._min_scale_flag = 0, None
         self._nonfinite_flag = None  # (skipped?, step, skipped so far) of the last update
+        self._fitted: ZeroStep | None = None  # memory_budget: the step chosen to fit it
+        self.budget = None  # memory_budget: the BudgetChoice made at the first call
         functools.update_wrapper(self, fn)
+
+    def _budgeted(self, args) -> ZeroStep | None:
+        """With a memory_budget, the step that fits it (chosen at the first call), else None."""
+        if not self.zero.config.memory_budget:
+            return None
+        if self._fitted is None:
+            from zerojax.budget import fit_budget
+
+            self._fitted, self.budget = fit_budget(self.zero, self.fn, args)
+        return self._fitted
 
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, *args):
         """`step(state, batch, *extra)`, or for NNX objects `step(model, optimizer, ...,
         batch, *extra)` (the objects are updated in place and `fn`'s return value returned)."""
+        if (fitted := self._budgeted(args)) is not None:
+            out = fitted(*args)
+            self.used_explicit_collectives, self.units = (
+                fitted.used_explicit_collectives,
+                fitted.units,
+            )
+            return out
         call, batch, extra = split_call(args)
         self._raise_if_scale_exhausted()
         self.check()
@@ -118,6 +137,13 @@ class ZeroStep:
     def trace(self, *args, micro: bool = False) -> jax.stages.Traced:
         """Trace the optimizer-step variant (or, with micro=True, the accumulate-only one):
         the usual jax `Traced`, with its `.jaxpr`."""
+        if (fitted := self._budgeted(args)) is not None:
+            traced = fitted.trace(*args, micro=micro)
+            self.used_explicit_collectives, self.units = (
+                fitted.used_explicit_collectives,
+                fitted.units,
+            )
+            return traced
         state, batch, extra = split_call(args)
         jitted, _, batch = self._prepare(state, batch, extra, micro)
         traced = jitted.trace(state.tree, batch, *extra)

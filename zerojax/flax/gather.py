@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -68,6 +69,7 @@ class GatherContext:
     prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
     offload_activations: bool = False  # keep each layer's saved input in pinned host memory
     recompute: bool = True  # backward recomputes the unit (else: forward saves its activations)
+    keep_gathered: tuple = ()  # regexes of unit paths whose gathered weights live until backward
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     unit_buffers: bool = False  # each unit's split leaves gathered / reduced as one buffer
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
@@ -168,7 +170,8 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
         whole = jax.tree_util.tree_map_with_path(
             lambda p, x: _layer_slice(stacks[_full_path(prefix, p)], x, layer), shards
         )
-    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole)
+    keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.keep_gathered)
+    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole, keep)
 
 
 def _layer_slice(stack, leaf, layer):
@@ -384,10 +387,13 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
     return (out, state), (treedef, slots, saved)
 
 
-def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None):
+def layer_call(
+    apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None, keep=False
+):
     """`apply(gathered params, extra, args, kwargs) -> (outputs, written state)` with the memory
     behaviour of the module docstring; backward recomputes it with the same `extra` (the same
-    RNG keys, so the same dropout masks)."""
+    RNG keys, so the same dropout masks). `keep`: the gathered weights stay alive from forward
+    to backward (`keep_gathered`), which then gathers nothing."""
     hpz = ctx.comm.secondary is not None
 
     @jax.custom_vjp
@@ -398,7 +404,9 @@ def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, who
 
     def fwd(shards, whole, args, extra, anchor, scale):
         params = _weights(shards, dims, ctx, whole, anchor)
-        secondary = _secondary(params, dims, ctx) if hpz else []
+        secondary = _secondary(params, dims, ctx) if hpz and not keep else []
+        if keep:  # the gathered weights themselves are backward's, nothing to gather again
+            whole = params
         if ctx.recompute:
             out, saved = apply(params, extra, args, kwargs), args
         else:
@@ -414,11 +422,12 @@ def layer_call(apply, dims, ctx, shards, extra, args, kwargs, scanned=False, who
         if ctx.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Device)
         wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
-        params = (
-            _from_secondary(_depend(secondary, wait), shards, dims, ctx)
-            if hpz
-            else _weights(shards, dims, ctx, whole, wait)
-        )
+        if keep:
+            params = whole
+        elif hpz:
+            params = _from_secondary(_depend(secondary, wait), shards, dims, ctx)
+        else:
+            params = _weights(shards, dims, ctx, whole, wait)
         if ctx.recompute:
             _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, saved)
         else:  # the saved activations, with the weights gathered again where they were used

@@ -1,0 +1,80 @@
+"""`keep_gathered` and `memory_budget` on the transformer of tests/test_units.py (written as a
+user writes one): units kept gathered from forward to backward save their backward all-gather
+and train exactly like one device; a budget chooses them from compiled peaks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zerojax as zj
+from tests.common import assert_trees_close
+from tests.test_units import Transformer, init_fn, step, train_both
+
+SEQ = 16
+DATA = [np.random.default_rng(i).integers(0, 128, (16, SEQ + 1), dtype=np.int32) for i in range(2)]
+
+
+def start(model):
+    return jax.device_put(init_fn(model, SEQ)(jax.random.key(0)), jax.devices()[0])
+
+
+def report(zero, model):
+    state = zero.eval_shape(init_fn(model, SEQ), jax.random.key(0))
+    return zero.report(zero(step), state, DATA[0])
+
+
+@pytest.mark.parametrize("scan, keep", [(False, r"block_[01]"), (True, "blocks")])
+def test_units_kept_gathered_send_less_and_match_single_device(scan, keep):
+    model = Transformer(4, scan)
+    zero = zj.zero_shard(stage=3, keep_gathered=keep)
+    got, want, _ = train_both(zero, step, start(model), DATA)
+    assert_trees_close(got.params, want.params)
+    plain, kept = report(zj.zero_shard(stage=3), model), report(zero, model)
+    # each kept unit's weights are gathered once, not twice: the all-gather bytes drop by the
+    # kept units' share (2 of 4 blocks unrolled: a quarter; the whole stack scanned: a half)
+    drop = 1 - kept.bytes_of("all-gather") / plain.bytes_of("all-gather")
+    assert drop == pytest.approx(0.25 if not scan else 0.5, abs=0.03), drop
+    assert kept.peak_bytes > plain.peak_bytes  # paid for in memory
+
+
+def test_a_budget_above_the_minimum_keeps_units_and_stays_under_it():
+    model = Transformer(4, False)
+    minimum = report(zj.zero_shard(stage=3), model).peak_bytes
+    budget = int(1.7 * minimum)
+    zero = zj.zero_shard(stage=3, memory_budget=budget)
+    got, want, fitted = train_both(zero, step, start(model), DATA)
+    assert_trees_close(got.params, want.params)
+    choice = fitted.budget
+    assert choice.minimal_peak_bytes == minimum and choice.kept  # it spent the memory...
+    assert choice.peak_bytes <= budget  # ...within the budget...
+    assert choice.sent_bytes < choice.plain_sent_bytes  # ...on fewer bytes sent per step
+    assert "kept gathered: block_" in str(choice)
+
+
+def test_a_budget_below_the_minimum_names_the_minimum():
+    model = Transformer(4, False)
+    minimum = report(zj.zero_shard(stage=3), model).peak_bytes
+    zero = zj.zero_shard(stage=3, memory_budget=minimum - 1)
+    with pytest.raises(zj.ZeroError, match=f"compiled peak of .*\\({minimum:,} bytes\\)"):
+        zero(step)(zero.shard(start(model)), DATA[0])
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(memory_budget="70 gigs"), "memory_budget: '70 gigs' is not a size"),
+        (dict(memory_budget=-1), "memory_budget must be a size"),
+        (dict(memory_budget=1.5), "fraction of the device's memory in \\(0, 1\\]"),
+        (dict(keep_gathered="block_("), "keep_gathered regex 'block_\\(' does not compile"),
+    ],
+)
+def test_bad_budget_options_name_the_option(options, message):
+    with pytest.raises(zj.ZeroError, match=message):
+        zj.zero_shard(stage=3, **options)
+
+
+def test_a_fraction_needs_a_device_that_reports_its_memory():
+    zero = zj.zero_shard(stage=3, memory_budget=0.9)
+    with pytest.raises(zj.ZeroError, match="cpu devices do not report: give a size"):
+        zero(step)(zero.shard(start(Transformer(2, False))), jnp.asarray(DATA[0]))
