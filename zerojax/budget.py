@@ -63,8 +63,6 @@ def budget_bytes(budget, device) -> int:
 def fit_budget(zero, fn, args):
     """(the step of `fn` that fits zero.config.memory_budget, its BudgetChoice) for the call
     `fn(*args)`. Raises ZeroError when even stage 3 as is does not fit."""
-    from zerojax.engine import ZeroShard  # engine imports the step, which imports this
-
     cfg = zero.config
     budget = budget_bytes(cfg.memory_budget, zero.mesh.devices.flat[0])
     compiles = 0
@@ -72,7 +70,7 @@ def fit_budget(zero, fn, args):
     def compiled(keep):
         nonlocal compiles
         compiles += 1
-        variant = ZeroShard(cfg.replace(memory_budget=0, keep_gathered=keep), zero.mesh)
+        variant = type(zero)(cfg.replace(memory_budget=0, keep_gathered=keep), zero.mesh)
         step = variant(fn)
         return step, variant.report(step, *args)
 
@@ -84,7 +82,7 @@ def fit_budget(zero, fn, args):
             "bytes) per device. Raise the budget to at least that, lower the batch or "
             "sequence length, or offload (offload_optimizer / offload_param)."
         )
-    order = _by_gathered_bytes(zero, plain, args) if cfg.stage == 3 else []
+    order = _by_gathered_bytes(zero, plain, args) if cfg.shards_parameters else []
     best, lo, hi = (plain, report, 0), 0, len(order)
     while lo < hi:  # the most units kept whose peak fits (a peak grows with what is kept)
         mid = (lo + hi + 1) // 2

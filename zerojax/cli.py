@@ -158,7 +158,7 @@ def plan(args) -> int:
             if args.dump_hlo
             else None
         )
-        if args.memory_budget and cfg_z.stage == 3:
+        if args.memory_budget and cfg_z.shards_parameters:
             zero = zj.zero_shard(
                 config=cfg_z.replace(memory_budget=args.memory_budget), mesh=zero.mesh
             )

@@ -381,7 +381,7 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
             f"{copies[0].shape} weight between forward and backward (its module casts its "
             "parameters, e.g. a `dtype=` argument), so that weight stays gathered; set the "
             "module's param_dtype to the compute dtype, or keep recompute_units=True.",
-            ZeroWarning,
+            category=ZeroWarning,
             stacklevel=2,
         )
     return (out, state), (treedef, slots, saved)
