@@ -77,12 +77,17 @@ class Peak:
     buffers: list  # Buffer, largest first; every step argument (allocated all step) included
     at: str  # the instruction executing at the peak, with its op name
     compiled_bytes: int  # the report's peak: device arguments + temporaries
-    host_bytes: int = 0  # offloaded state arguments (host memory), not in `buffers`
+    host_bytes: int = 0  # offloaded state arguments' memory (host), not in `buffers`
 
     def on_device(self, host_categories: set, compiled_bytes: int) -> Peak:
         """This peak with the arguments of `host_categories` (state offloaded to host memory,
-        which the CPU compiler keeps in its one memory) taken out, against `compiled_bytes`."""
-        host = [b for b in self.buffers if b.category in host_categories and b.argument]
+        which the CPU compiler keeps in its one memory) taken out, and what that compile
+        placed in their memory once they were dead, against `compiled_bytes`."""
+        host = [
+            b
+            for b in self.buffers
+            if (b.category in host_categories and b.argument) or b.reuses in host_categories
+        ]
         return dataclasses.replace(
             self,
             buffers=[b for b in self.buffers if b not in host],
