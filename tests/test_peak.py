@@ -79,6 +79,21 @@ def test_the_peak_is_accounted_for_by_category(stage, precision):
     assert "alive at the peak" in text and "parameters" in text and "of the compiled peak" in text
 
 
+def test_an_nnx_models_peak_is_accounted_for_too():
+    from tests.test_nnx_managed import make
+    from tests.test_nnx_units import data, train_step
+
+    zero = zj.zero_shard(stage=3)
+    model, optimizer = zero.init(make(optax.adamw(1e-3)))
+    rep = zero.report(zero(train_step), model, optimizer, data(1)[0])
+    peak, cats = rep.peak, rep.peak.by_category()
+    held = lambda cat: cats.get(cat, 0) + sum(b.bytes for b in peak.buffers if b.reuses == cat)
+    assert held("parameters") == rep.resident["params"]  # 4Ψ/N (small leaves whole)
+    assert 0 <= rep.resident["optimizer state"] - held("optimizer state") <= 8
+    assert "gathered weights" in cats and peak.live_bytes <= rep.peak_bytes
+    assert any("test_nnx_units.py:" in b.source for b in peak.buffers)  # the model's lines
+
+
 def test_offloaded_state_is_kept_apart_from_the_device_peak():
     # the CPU compiler keeps host and device in one memory: the offloaded arguments' memory
     # (and what it placed there once they were dead) is host_bytes, not part of the peak
