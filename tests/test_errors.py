@@ -53,6 +53,23 @@ def test_state_not_placed_by_zero(zero_and_state):
         zero(train_step)(plain, batches(1)[0])
 
 
+def test_a_state_made_with_train_state_create_names_zero_init(zero_and_state):
+    # TrainState.create leaves `step` a Python int and the parameters wherever they were
+    zero, _ = zero_and_state
+    with pytest.raises(
+        zj.ZeroError, match="state leaf .step is a int.*zero.init\\(init_fn, key\\)"
+    ):
+        zero(train_step)(initial_state(optax.adam(1e-3)), batches(1)[0])
+
+
+def test_the_step_inside_another_jit_says_to_call_it_directly(zero_and_state):
+    zero, _ = zero_and_state
+    state, step = zero.shard(initial_state(optax.adam(1e-3))), zero(train_step)
+    with pytest.raises(zj.ZeroError, match="inside another JAX transformation.*directly"):
+        jax.jit(step)(state, batches(1)[0])
+    assert int(step(state, batches(1)[0])[0].step) == 1  # the state is still usable
+
+
 def test_step_must_return_the_state(zero_and_state):
     zero, state = zero_and_state
     with pytest.raises(zj.ZeroError, match="must return the new state"):

@@ -46,6 +46,25 @@ from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed
 from zerojax.state import Boundary, split_call
 
 
+def _check_call(tree, batch, extra) -> None:
+    """A step called inside another jax transformation, or on a state zero did not place,
+    fails here with what to do (not with an AttributeError from deep inside)."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tree, batch, extra))):
+        raise ZeroError(
+            "this zerojax step was called inside another JAX transformation (jax.jit, vmap, "
+            "grad, scan...): it is jitted already, with the state's shardings and donation. "
+            "Call it directly, from Python; to inspect it use step.trace(...) / step.lower(...)."
+        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not isinstance(leaf, jax.Array):
+            raise ZeroError(
+                f"state leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
+                "array placed by this zero_shard (a state made with TrainState.create(...) "
+                "directly?): create it with zero.init(init_fn, key), or place it with "
+                "zero.shard(state)."
+            )
+
+
 class ZeroStep:
     """A zerojax train step: a `jax.jit` function with the state's shardings, donation and
     batch placement. `.trace(state, batch)` and `.lower(state, batch)` give the usual jax
@@ -88,6 +107,7 @@ class ZeroStep:
             )
             return out
         call, batch, extra = split_call(args)
+        _check_call(call.tree, batch, extra)
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(call.tree)
