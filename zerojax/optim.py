@@ -197,10 +197,18 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
         )
     master = opt.master if present(opt.master) else state.params
 
+    low_precision_state = cfg.optimizer_state_dtype != "fp32"
+
     def update(master, stored, grads=grads):
-        inner = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _moment(x) else x, stored)
+        inner = stored
+        if low_precision_state:  # used in f32, stored back in the dtype it was kept in
+            inner = jax.tree_util.tree_map(
+                lambda x: x.astype(jnp.float32) if _moment(x) else x, stored
+            )
         updates, inner = state.tx.inner.update(grads, inner, master)
-        return optax.apply_updates(master, updates), store_optimizer_state(inner, cfg, stored)
+        if low_precision_state:
+            inner = store_optimizer_state(inner, cfg, stored)
+        return optax.apply_updates(master, updates), inner
 
     if run_optimizer is not None:
         new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)
