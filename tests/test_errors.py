@@ -1,11 +1,17 @@
-"""User mistakes fail at once, with a message that says what to change."""
+"""A new user's mistakes fail at once, with a `ZeroError` that says what to change (or, where
+zerojax can make them work, work); the ones it cannot fail on warn once, naming the cause."""
+
+import subprocess
+import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, initial_state, train_step
+from common import batches, initial_state, make_init, subprocess_env, train_step
+from flax import nnx
 
 import zerojax as zj
 
@@ -16,11 +22,203 @@ def zero_and_state():
     return zero, zero.shard(initial_state(optax.adam(1e-3)))
 
 
-def test_batch_not_divisible_by_devices(zero_and_state):
-    zero, state = zero_and_state
-    batch = batches(1, batch_size=12)[0]
-    with pytest.raises(zj.ZeroError, match=r"inputs has 12 rows.*multiple of 8"):
-        zero(train_step)(state, batch)
+class Net(nnx.Module):  # an NNX model as a user writes one
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 32, rngs=rngs)
+        self.down = nnx.Linear(32, 16, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(nnx.relu(self.up(x)))
+
+
+def nnx_objects():
+    model = Net(nnx.Rngs(0))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def nnx_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(lambda m: ((m(batch["x"]) - batch["y"]) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
+
+
+NNX_BATCH = {"x": np.ones((8, 16), np.float32), "y": np.zeros((8, 16), np.float32)}
+
+
+def _mistakes():
+    """(name, mistake(zero, fresh_state, step), what the ZeroError must say, or None: it
+    works). Each mistake is one a new user makes in the first hour with a sharded step."""
+    batch = batches(1)[0]
+    mesh4 = jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
+    init = make_init(optax.adam(1e-3))
+
+    def donated(zero, fresh, step):
+        state = fresh()
+        step(state, batch)
+        return step(state, batch)  # the old state again: its buffers were donated
+
+    def grad_through(zero, fresh, step):
+        state = fresh()
+        return jax.grad(lambda p: step(state.replace(params=p), batch)[1]["loss"])(state.params)
+
+    return [
+        (
+            "a TrainState.create state",
+            lambda z, f, s: s(initial_state(optax.adam(1e-3)), batch),
+            r"state leaf \.step is a int.*zero\.init\(init_fn, key\)",
+        ),
+        (
+            "the step inside jax.jit",
+            lambda z, f, s: jax.jit(s)(f(), batch),
+            "inside another JAX transformation.*Call it directly",
+        ),
+        (
+            "the step inside jax.vmap",
+            lambda z, f, s: jax.vmap(lambda b: s(f(), b))({k: v[None] for k, v in batch.items()}),
+            "inside another JAX transformation.*Call it directly",
+        ),
+        ("the step inside jax.grad", grad_through, "Call it directly"),
+        (
+            "an abstract state",
+            lambda z, f, s: s(z.eval_shape(init, jax.random.key(0)), batch),
+            r"abstract.*zero\.init\(init_fn, key\).*step\.lower\(state, batch\)",
+        ),
+        (
+            "a donated state used again",
+            donated,
+            r"donated to an earlier call.*state, metrics = step\(state, batch\)",
+        ),
+        (
+            "state and batch swapped",
+            lambda z, f, s: s(batch, f()),
+            r"first argument is a dict with keys \['inputs', 'targets'\].*step\(state, batch",
+        ),
+        ("no batch", lambda z, f, s: s(f()), r"called as step\(state, batch, \*extra\)"),
+        (
+            "a batch that does not divide",
+            lambda z, f, s: s(f(), batches(1, batch_size=12)[0]),
+            r"inputs has 12 rows.*multiple of 8",
+        ),
+        (
+            "batch leaves of different rows",
+            lambda z, f, s: s(f(), {"inputs": batch["inputs"], "targets": batch["targets"][:8]}),
+            "the same number of rows",
+        ),
+        (
+            "a batch already on one device",
+            lambda z, f, s: s(f(), jax.device_put(batch, jax.devices()[0])),
+            None,
+        ),
+        (
+            "a batch placed on another mesh",
+            lambda z, f, s: s(f(), zj.zero_shard(stage=3, mesh=mesh4).place_batch(batch)),
+            None,
+        ),
+        (
+            "a state placed by a zero on another mesh",
+            lambda z, f, s: s(zj.zero_shard(stage=3, mesh=mesh4).shard(f()), batch),
+            r"mesh \{'data': 4\}.*another zero_shard.*zero\.shard\(state\)",
+        ),
+        (
+            "a state placed by a zero of another stage",
+            lambda z, f, s: s(zj.zero_shard(stage=1).shard(initial_state(optax.adam(1e-3))), batch),
+            r"not placed as this zero_shard expects.*zero\.shard\(state\)",
+        ),
+        (
+            "a state not placed at all",
+            lambda z, f, s: s(
+                jax.device_put(initial_state(optax.adam(1e-3)), jax.devices()[0]), batch
+            ),
+            r"zero\.shard\(state\)",
+        ),
+        (
+            "a bf16 state given to an fp32 zero",
+            lambda z, f, s: s(zj.zero_shard(stage=3, precision="bf16").shard(f()), batch),
+            "manages the update.*Decorate the step with the zero that made the state",
+        ),
+        (
+            "a step that returns only metrics",
+            lambda z, f, s: z(lambda st, b: {"loss": 0.0})(f(), batch),
+            "must return the new state",
+        ),
+        (
+            "a TrainState step given NNX objects",
+            lambda z, f, s: s(*z.shard(nnx_objects()), NNX_BATCH),
+            r"train_step\(state, batch\) cannot take this call's 3 arguments.*an NNX step",
+        ),
+        (
+            "an NNX step given a TrainState",
+            lambda z, f, s: z(nnx_step)(f(), batch),
+            r"nnx_step\(model, optimizer, batch\) cannot take .*TrainState, dict",
+        ),
+        (
+            "a TrainState step given an NNX model",
+            lambda z, f, s: s(z.shard(nnx_objects())[0], NNX_BATCH),
+            r"reads `\.params` of an NNX Net.*step\(model, optimizer, batch\)",
+        ),
+        (
+            "zero.init given a state",
+            lambda z, f, s: z.init(initial_state(optax.adam(1e-3))),
+            r"not a TrainState: to place an existing state use zero\.shard\(state\)",
+        ),
+        (
+            "zero.init without the key",
+            lambda z, f, s: z.init(init),
+            r"missing a required argument: 'key'.*zero\.init\(init_fn, jax\.random\.key\(0\)\)",
+        ),
+        (
+            "a misspelled option",
+            lambda z, f, s: zj.zero_shard(stag=3),
+            r"unknown zerojax option 'stag' \(did you mean 'stage'\?\)",
+        ),
+        (
+            "a DeepSpeed key in the wrong section",
+            lambda z, f, s: zj.zero_shard(
+                config={"zero_optimization": {"stage": 3, "pipeline": 1}}
+            ),
+            r"zero_optimization\.pipeline' \(it belongs in zero_optimization\.offload_optimizer",
+        ),
+        (
+            "a misspelled nested DeepSpeed key",
+            lambda z, f, s: zj.zero_shard(
+                config={"zero_optimization": {"offload_optimizer": {"devic": "cpu"}}}
+            ),
+            r"offload_optimizer\.devic' \(did you mean 'device'\?\).*strict=False",
+        ),
+        (
+            "a config file that does not exist",
+            lambda z, f, s: zj.zero_shard(config="ds_confg.json"),
+            r"does not exist and is not a zerojax preset; presets: zero0",
+        ),
+        (
+            "stage as a string",
+            lambda z, f, s: zj.zero_shard(stage="3"),
+            "stage must be 0, 1, 2 or 3",
+        ),
+    ]
+
+
+MISTAKES = _mistakes()
+
+
+@pytest.mark.parametrize("mistake,fix", [m[1:] for m in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_a_new_users_mistake_says_what_to_do(zero_and_state, mistake, fix):
+    zero, _ = zero_and_state
+    fresh = lambda: zero.shard(initial_state(optax.adam(1e-3)))
+    step = zero(train_step)
+    if fix is None:  # zerojax makes it work
+        new_state, metrics = mistake(zero, fresh, step)
+        assert np.isfinite(float(metrics["loss"]))
+        return
+    with pytest.raises(zj.ZeroError, match=fix):  # not AttributeError, TypeError, a tracer error
+        mistake(zero, fresh, step)
+
+
+def test_strict_false_on_zero_shard_proceeds_with_a_warning():
+    config = {"zero_optimization": {"stage": 2, "pipeline": 1}}
+    with pytest.warns(zj.ZeroWarning, match="WITHOUT these keys.*zero_optimization.pipeline"):
+        zero = zj.zero_shard(config=config, strict=False)
+    assert zero.config.stage == 2
 
 
 def test_state_without_params():
@@ -44,36 +242,6 @@ def test_bad_options(kwargs, match):
         kwargs = {**kwargs, "mesh": zj.make_mesh()}
     with pytest.raises(zj.ZeroError, match=match):
         zj.zero_shard(**kwargs)
-
-
-def test_state_not_placed_by_zero(zero_and_state):
-    zero, _ = zero_and_state
-    plain = jax.device_put(initial_state(optax.adam(1e-3)), jax.devices()[0])
-    with pytest.raises(zj.ZeroError, match="zero.shard\\(state\\)"):
-        zero(train_step)(plain, batches(1)[0])
-
-
-def test_a_state_made_with_train_state_create_names_zero_init(zero_and_state):
-    # TrainState.create leaves `step` a Python int and the parameters wherever they were
-    zero, _ = zero_and_state
-    with pytest.raises(
-        zj.ZeroError, match="state leaf .step is a int.*zero.init\\(init_fn, key\\)"
-    ):
-        zero(train_step)(initial_state(optax.adam(1e-3)), batches(1)[0])
-
-
-def test_the_step_inside_another_jit_says_to_call_it_directly(zero_and_state):
-    zero, _ = zero_and_state
-    state, step = zero.shard(initial_state(optax.adam(1e-3))), zero(train_step)
-    with pytest.raises(zj.ZeroError, match="inside another JAX transformation.*directly"):
-        jax.jit(step)(state, batches(1)[0])
-    assert int(step(state, batches(1)[0])[0].step) == 1  # the state is still usable
-
-
-def test_step_must_return_the_state(zero_and_state):
-    zero, state = zero_and_state
-    with pytest.raises(zj.ZeroError, match="must return the new state"):
-        zero(lambda s, b: {"loss": 0.0})(state, batches(1)[0])
 
 
 def test_model_output_that_is_not_per_example(zero_and_state):
@@ -126,3 +294,106 @@ def test_bf16_needs_the_apply_fn_hook():
     state = zero.shard(initial_state(optax.adam(1e-3)))
     with pytest.raises(zj.ZeroError, match="explicit_collectives=True"):
         zero(train_step)(state, batches(1)[0])
+
+
+# ---- ZeRO that cannot do its job says so, once per cause --------------------------------------
+
+
+def _zero_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, zj.ZeroWarning)]
+
+
+def test_a_persistence_threshold_that_keeps_everything_whole_warns_once_at_init():
+    """DeepSpeed's default 1e5 on a small model: every leaf is under it, so stage 3 splits
+    nothing. The user's value is kept, and zerojax says what it does, once."""
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e5}}
+    zero = zj.zero_shard(config=config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+        said_at_init = _zero_warnings(caught)
+        for batch in batches(2):
+            state, _ = zero(train_step)(state, batch)
+        zero.describe(state, show=False)
+    assert zero.config.persistence_threshold == 100_000  # kept
+    assert len(said_at_init) == 1 and _zero_warnings(caught) == said_at_init
+    message = said_at_init[0]
+    assert "persistence_threshold=100,000 (DeepSpeed's stage3_param_persistence_threshold)" in (
+        message
+    )
+    assert "100.00% of the bytes stage 3 splits" in message and "lower it" in message
+    assert caught[0].filename == __file__  # points at the user's zero.init line
+
+
+def test_a_mesh_of_one_device_warns_once_at_init():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    zero = zj.zero_shard(stage=2, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))
+        state, _ = zero(train_step)(state, batches(1)[0])
+    (message,) = _zero_warnings(caught)
+    assert "stage 2 on one device splits nothing" in message
+    assert "JAX sees 8 devices but this zero splits over one: pass a mesh" in message
+
+
+def test_zerojax_warnings_can_be_made_fatal_from_the_command_line():
+    """`python -W error::zerojax.ZeroWarning`: a run with one device (XLA_FLAGS forgotten)
+    stops at zero.init, and the message says how to get simulated devices."""
+    script = (
+        "import jax, optax, zerojax as zj, numpy as np\n"
+        "params = {'w': np.ones((64, 64), np.float32)}\n"
+        "zero = zj.zero_shard(stage=3)\n"
+        "zero.init(lambda: {'params': params, 'opt_state': optax.adam(1e-3).init(params)})\n"
+    )
+    run = lambda *flags, **env: subprocess.run(
+        [sys.executable, *flags, "-c", script],
+        env=subprocess_env(JAX_PLATFORMS="cpu", **env),
+        capture_output=True,
+        text=True,
+    )
+    for fatal in (
+        run("-W", "error::zerojax.ZeroWarning"),
+        run(PYTHONWARNINGS="error::zerojax.ZeroWarning"),
+    ):
+        assert fatal.returncode != 0
+        assert "ZeroWarning: zerojax: stage 3 on one device splits nothing" in fatal.stderr
+        assert "XLA_FLAGS=--xla_force_host_platform_device_count=N" in fatal.stderr
+    warned = run()  # without -W: a warning only
+    assert warned.returncode == 0 and "splits nothing" in warned.stderr
+
+
+def test_a_leaf_that_divides_nothing_is_named_once():
+    """A GPT-2 vocabulary (50257 = 29 x 1733) on 8 devices: one warning however many times
+    the zero plans, places and steps the state."""
+    params = {"embed": jnp.ones((50257, 12)), "w": jnp.ones((64, 64))}
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = zero.init(lambda: {"params": params, "opt_state": optax.adam(1e-3).init(params)})
+        zero.shard(state)
+        zero.plan(state)
+        zero.describe(state, show=False)
+    (message,) = _zero_warnings(caught)
+    assert message.startswith("zerojax: 3 leaves stay whole on every device because no dimension")
+    assert "params/embed (50257, 12)" in message and "Pad them to a multiple of 8" in message
+
+
+def test_a_step_xla_places_names_its_stage_once():
+    """A step that never calls a model (a plain function of the parameters) runs on XLA's
+    placement: at stage 3 the warning says what that costs at stage 3, once."""
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    params = {"w": jnp.ones((64, 64))}
+    state = zero.init(lambda: {"params": params, "opt_state": optax.sgd(0.1).init(params)})
+
+    def step(state, batch):
+        grads = jax.grad(lambda p: ((batch @ p["w"]) ** 2).mean())(state["params"])
+        updates, opt = optax.sgd(0.1).update(grads, state["opt_state"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt}
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            state = zero(step)(state, jnp.ones((8, 64)))
+    (message,) = _zero_warnings(caught)
+    assert "does not call state.apply_fn" in message and "stage 3 then gathers" in message

@@ -584,14 +584,15 @@ _SCALING = (
 )
 
 
-def resolve_config(config=None, **overrides) -> ZeroConfig:
-    """ZeroConfig from a ZeroConfig, a JSON path or dict, or None; keyword options override it."""
+def resolve_config(config=None, strict: bool = True, **overrides) -> ZeroConfig:
+    """ZeroConfig from a ZeroConfig, a JSON path or dict, or None; keyword options override it.
+    `strict=False`: unknown DeepSpeed keys warn instead of failing."""
     if config is None:
         base = ZeroConfig()
     elif isinstance(config, ZeroConfig):
         base = config
     elif isinstance(config, (str, os.PathLike, Mapping)):
-        base = ZeroConfig.from_json(config)
+        base = ZeroConfig.from_json(config, strict=strict)
     else:
         raise ZeroError(
             "config must be a ZeroConfig, a path to a DeepSpeed JSON file or a "

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from zerojax.errors import ZeroError, ZeroWarning, nearest
+from zerojax.errors import ZeroError, closest, nearest, warn
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
 AUTO = "auto"
@@ -325,7 +324,7 @@ def explain(
             name = f"{prefix}{key}"
             entry = table.get(key)
             if entry is None:
-                unknown.append(f"unknown DeepSpeed key {name!r}{nearest(str(key), table)}")
+                unknown.append(_unknown(name, str(key), table))
                 continue
             if entry.kind == ERROR:
                 raise ZeroError(f"{name}: {entry.why}.")
@@ -353,9 +352,7 @@ def explain(
             out = {}
             for sub, v in value.items():
                 if sub != "grad_accum_dtype":
-                    unknown.append(
-                        f"unknown DeepSpeed key {name}.{sub!r}{nearest(sub, ['grad_accum_dtype'])}"
-                    )
+                    unknown.append(_unknown(f"{name}.{sub}", sub, ["grad_accum_dtype"]))
                 else:
                     out["grad_accum_dtype"] = _dtype(f"{name}.{sub}", v)
             return out
@@ -381,6 +378,40 @@ def explain(
     ):
         options["gradient_accumulation_steps"] = AUTO  # DeepSpeed infers it from the two
     return rows, options, unknown
+
+
+def _sections() -> dict[str, Mapping]:
+    """{dotted prefix: its table} for every section of a DeepSpeed config zerojax reads."""
+    return {
+        "": TOP_LEVEL,
+        "zero_optimization.": ZERO_OPTIMIZATION,
+        "zero_optimization.offload_optimizer.": OFFLOAD,
+        "zero_optimization.offload_param.": OFFLOAD,
+        "fp16.": FP16,
+        "bf16.": BF16,
+        "data_types.": {"grad_accum_dtype": None},
+    }
+
+
+def _unknown(name: str, key: str, valid) -> str:
+    """'unknown DeepSpeed key NAME' and the likeliest meant key: the nearest in its section,
+    else the same or nearest key of another section, else the keys its section takes."""
+    hint = nearest(key, valid)
+    if not hint:
+        elsewhere = {p + k: k for p, table in _sections().items() for k in table}
+        same = [full for full, k in elsewhere.items() if k == key]
+        if same:
+            hint = f" (it belongs in {' or '.join(same)})"
+        else:
+            close = closest(key, sorted(set(elsewhere.values())))
+            match = [full for full, k in elsewhere.items() if k == close]
+            section = name[: -len(key) - 1] or "the top level"
+            hint = (
+                f" (did you mean {match[0]!r}?)"
+                if match
+                else f" ({section} takes: {', '.join(sorted(valid))})"
+            )
+    return f"unknown DeepSpeed key {name!r}{hint}"
 
 
 def _section(name, value):
@@ -418,20 +449,14 @@ def options_from_deepspeed(
     if unknown:
         if strict:
             raise ZeroError(
-                "; ".join(unknown) + " (ZeroConfig.from_json(..., strict=False) "
-                "proceeds without them)."
+                "; ".join(unknown) + ". zero_shard(config=..., strict=False) or "
+                "ZeroConfig.from_json(..., strict=False) proceeds without them."
             )
-        warnings.warn(
-            "zerojax proceeds WITHOUT these keys: " + "; ".join(unknown),
-            category=ZeroWarning,
-            stacklevel=3,
-        )
+        warn("zerojax proceeds WITHOUT these keys: " + "; ".join(unknown))
     ignored = [r for r in rows if r.kind == IGNORED]
     if ignored:
-        warnings.warn(
+        warn(
             "zerojax accepts these DeepSpeed keys but they have no effect here:\n"
-            + "\n".join(f"  {r.key}: {r.what}" for r in ignored),
-            category=ZeroWarning,
-            stacklevel=3,
+            + "\n".join(f"  {r.key}: {r.what}" for r in ignored)
         )
     return options

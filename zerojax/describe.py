@@ -1,27 +1,28 @@
-"""`zero.describe(state)`: every leaf of a train state with where it lives, and a guard against
-leaves that stay replicated.
+"""`zero.describe(state)`: every leaf of a train state with where it lives, and the guard
+against leaves that stay replicated.
 
 The table reads the state's own shardings (or, for an unplaced state, the ones the rules would
 give it): path, shape, dtype, PartitionSpec, memory kind and bytes per device. The guard is
 MaxText's "sufficiently sharded" check: of the bytes this stage is meant to split (optimizer
-state from stage 1, parameters too at stage 3), the fraction that stays whole on every device.
-Above 1% it warns with the largest such leaves; above `tolerance`, if given, it raises.
+state from stage 1, parameters too at stage 3), the share that stays whole on every device.
+`replication_warnings` says why, one message per cause, when a zero first plans a state (at
+`zero.init`, `zero.shard` or the first step), so ZeRO never silently does nothing;
+`describe(..., tolerance=)` raises above a share.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import jax
 import numpy as np
 
-from zerojax.config import ZeroError
-from zerojax.errors import ZeroWarning
-from zerojax.rules import category_of, path_str, stage_splits
+from zerojax.config import ZeroConfig, ZeroError
+from zerojax.rules import PARAMS, LeafPlan, category_of, path_str, stage_splits
 
-WARN_FRACTION = 0.01
+WARN_FRACTION = 0.01  # a cause keeping more than this share of the bytes a stage splits warns
+LARGE_LEAF_BYTES = 1 << 20  # ...and so does one leaf this large that no device count divides
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,27 +118,86 @@ def leaf_rows(zero, state, units: dict | None = None) -> list[LeafRow]:
     return rows
 
 
+def replication_warnings(plans, cfg: ZeroConfig, shard_size: int, device_count: int) -> dict:
+    """{cause: message} for each reason ZeRO cannot split what this stage should: a shard
+    group of one device; persistence_threshold keeping over WARN_FRACTION of those bytes whole
+    (zerojax's default threshold only when it keeps nearly all of them: a model of small
+    leaves); leaves no dimension of which divides by the devices. Leaves a user's rule keeps
+    whole are the user's choice and say nothing."""
+    stage = cfg.stage
+    if not cfg.shards_optimizer_state:
+        return {}
+    if shard_size == 1:
+        where = (
+            "JAX sees one device: to simulate N CPU devices set XLA_FLAGS="
+            "--xla_force_host_platform_device_count=N before jax is imported; on GPUs check "
+            "CUDA_VISIBLE_DEVICES; across hosts start with `python -m zerojax.launch`"
+            if device_count == 1
+            else f"JAX sees {device_count} devices but this zero splits over one: pass a "
+            "mesh over more of them, or a larger mics_shard_size"
+        )
+        return {
+            "one device": f"zerojax: stage {stage} on one device splits nothing: every device "
+            f"holds the whole state. {where}."
+        }
+    meant = [p for p in plans if p.shape and stage_splits(cfg, p.category)]
+    total = sum(p.nbytes for p in meant)
+    whole = [p for p in meant if p.reason.startswith("replicated")]
+    share = lambda leaves: sum(p.nbytes for p in leaves) / total if total else 0.0
+    small = [p for p in whole if "persistence threshold" in p.reason]
+    odd = [p for p in whole if "no dim divides" in p.reason]
+    out = {}
+    default = ZeroConfig.defaults()["persistence_threshold"]
+    chosen = cfg.persistence_threshold != default
+    if share(small) > (WARN_FRACTION if chosen else 1 - WARN_FRACTION):
+        gathers = ", and stage 3 gathers none of them" if cfg.shards_parameters else ""
+        out["persistence threshold"] = (
+            f"zerojax: persistence_threshold={cfg.persistence_threshold:,} (DeepSpeed's "
+            f"stage3_param_persistence_threshold) keeps {len(small)} leaves (those under "
+            f"{cfg.persistence_threshold:,} elements) whole on every device, "
+            f"{share(small):.2%} of the bytes stage {stage} "
+            f"splits: {_largest(small)}. Every device stores them whole{gathers}. To split "
+            f"them lower it (zerojax's default is {default:,}; 0 splits every leaf with a "
+            f"dimension that divides by {shard_size})."
+        )
+    if share(odd) > WARN_FRACTION or any(p.nbytes >= LARGE_LEAF_BYTES for p in odd):
+        out["divides nothing"] = (
+            f"zerojax: {_leaves(odd)} whole on every device because no dimension divides by "
+            f"{shard_size} devices, {share(odd):.2%} of the bytes stage {stage} "
+            f"splits: {_largest(odd)}. Pad them to a multiple of {shard_size} (e.g. the "
+            "vocabulary), or use a device count that divides one of their dimensions."
+        )
+    return out
+
+
+def _leaves(plans: list) -> str:
+    return "1 leaf stays" if len(plans) == 1 else f"{len(plans)} leaves stay"
+
+
+def _largest(plans: list[LeafPlan], top: int = 5) -> str:
+    """The `top` largest leaves, parameters first (their optimizer state follows them):
+    'path shape (bytes)', and how many more there are."""
+    ranked = sorted(plans, key=lambda p: (p.category != PARAMS, -p.nbytes, p.path))
+    names = ", ".join(f"{p.path} {p.shape} ({p.nbytes:,} bytes)" for p in ranked[:top])
+    return names + (f" and {len(ranked) - top} more" if len(ranked) > top else "")
+
+
 def describe(zero, state, tolerance: float | None = None, units: dict | None = None) -> Description:
-    """The `Description` of `state` under `zero`, with the replicated-bytes guard; `units`:
-    {leaf path: its unit}, shown as a column when given."""
+    """The `Description` of `state` under `zero`; raises ZeroError when more than `tolerance`
+    (a fraction) of the bytes the stage splits stays whole. (Why a share stays whole was
+    said when `zero` first planned the state: `replication_warnings`.) `units`: {leaf path:
+    its unit}, shown as a column when given."""
     out = Description(tuple(leaf_rows(zero, state, units)), zero.mesh.size, zero.config.stage)
     fraction = out.replicated_fraction
-    names = ", ".join(
-        f"{r.path} {r.shape} ({r.total_bytes:,} bytes)" for r in out.largest_replicated()
-    )
     if tolerance is not None and fraction > tolerance:
+        names = ", ".join(
+            f"{r.path} {r.shape} ({r.total_bytes:,} bytes)" for r in out.largest_replicated()
+        )
         raise ZeroError(
             f"{fraction:.2%} of the bytes stage {zero.config.stage} should split "
             f"stay replicated (tolerance {tolerance:.2%}); largest: {names}. Lower "
             "persistence_threshold, add a rule naming a dimension, or pad shapes "
             "to a multiple of the device count."
-        )
-    if fraction > WARN_FRACTION:
-        warnings.warn(
-            f"zerojax: {fraction:.2%} of the bytes stage {zero.config.stage} should "
-            f"split stay replicated on every device; largest: {names}.",
-            category=ZeroWarning,
-            stacklevel=3,
         )
     return out
 

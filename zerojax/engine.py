@@ -9,7 +9,7 @@ def train_step(state, batch): ...    # unchanged single-device step
 from __future__ import annotations
 
 import dataclasses
-import warnings
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.hierarchy import comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
-from zerojax.errors import ZeroWarning
+from zerojax.describe import Description, describe, replication_warnings
+from zerojax.errors import warn
 from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
 from zerojax.flax.nnx import nnx_building
 from zerojax.mesh import default_mesh
@@ -31,18 +32,45 @@ from zerojax.state import Boundary, boundary, managed
 from zerojax.step import ZeroStep
 
 if TYPE_CHECKING:
-    from zerojax.describe import Description
     from zerojax.report import Report
 
 PyTree = Any  # a train state, batch or any nest of arrays
 
 
-def zero_shard(stage: int | None = None, *, mesh=None, config=None, **options) -> ZeroShard:
+def zero_shard(
+    stage: int | None = None, *, mesh=None, config=None, strict: bool = True, **options
+) -> ZeroShard:
     """A ZeroShard from `config` (ZeroConfig, DeepSpeed JSON path or dict) with keyword options
-    (`stage` included) overriding it; `mesh` defaults to all devices on the config's axis."""
+    (`stage` included) overriding it; `mesh` defaults to all devices on the config's axis.
+    `strict=False` warns about unknown DeepSpeed keys instead of refusing them."""
     if stage is not None:
         options["stage"] = stage
-    return ZeroShard(resolve_config(config, **options), mesh)
+    return ZeroShard(resolve_config(config, strict=strict, **options), mesh)
+
+
+def _check_init_fn(init_fn, args, kwargs) -> None:
+    """`zero.init` takes the function that makes the state and its arguments: a state given
+    instead, or arguments the function does not take, fail with what to write."""
+    if not callable(init_fn):
+        raise ZeroError(
+            f"zero.init takes the function that creates the state (and its arguments, e.g. "
+            f"a PRNG key), not a {type(init_fn).__name__}: to place an existing state use "
+            "zero.shard(state); to create one use zero.init(lambda key: TrainState.create("
+            "...), jax.random.key(0))."
+        )
+    try:
+        signature = inspect.signature(init_fn)
+    except ValueError:  # a builtin: no signature to read
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(init_fn, "__name__", "init_fn")
+        raise ZeroError(
+            f"zero.init calls {name}{signature} with the arguments given after it, and "
+            f"{len(args)} positional and {len(kwargs)} keyword arguments do not fit: {e}. "
+            "E.g. zero.init(init_fn, jax.random.key(0))."
+        ) from None
 
 
 class ZeroShard:
@@ -55,8 +83,10 @@ class ZeroShard:
         self.shard_size = self.comm.shard_size  # devices that split the state
         # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
         self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
-        # a pure cache of `layout`, keyed by structure; nothing else is kept between calls
+        # a pure cache of `layout`, keyed by structure, and the causes this zero has warned
+        # about (each once); nothing else is kept between calls
         self._layouts: dict[tuple, StateLayout] = {}
+        self.warned: set[str] = set()
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
@@ -80,6 +110,11 @@ class ZeroShard:
         )
         if key not in self._layouts:
             self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor)
+            causes = replication_warnings(
+                self._layouts[key].plans, self.config, self.shard_size, jax.device_count()
+            )
+            for cause, message in causes.items():
+                warn(message, self.warned, cause)
         cached = self._layouts[key]
         # a state of another TrainState instance (its apply_fn, tx) has the same plans
         return cached if cached.treedef == treedef else dataclasses.replace(cached, treedef=treedef)
@@ -164,6 +199,7 @@ class ZeroShard:
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
+        _check_init_fn(init_fn, args, kwargs)
         seen = []  # the traced state's boundary (to rebuild the user's kind) and its TP layout
 
         def make(*a, **k):  # traced once: init_fn may build a new model object per call
@@ -181,12 +217,11 @@ class ZeroShard:
 
     def _check_logical_rules_used(self, declared: dict):
         if self.config.logical_rules and not declared:
-            warnings.warn(
+            warn(
                 "zerojax: logical_rules has nothing to map: the model declares no "
                 "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
                 "so only ZeRO's axis splits the state.",
-                category=ZeroWarning,
-                stacklevel=3,
+                self.warned,
             )
 
     def eval_shape(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
@@ -271,10 +306,9 @@ class ZeroShard:
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
         bytes per device, and (given the `step` and a `batch`) each parameter's unit.
-        Warns when over 1% of the bytes this stage splits stay replicated, raises ZeroError
-        above `tolerance` (a fraction, e.g. 0.02). See zerojax.describe."""
-        from zerojax.describe import describe
-
+        Raises ZeroError when more than `tolerance` (a fraction, e.g. 0.02) of the bytes this
+        stage splits stays replicated (why was said when the zero first planned the state).
+        See zerojax.describe."""
         units = {}
         if step is not None:
             units = {p.path: p.unit for p in self.plan(state, step=step, batch=batch) if p.unit}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import warnings
 
 import flax.linen as nn
 import jax
@@ -29,7 +28,7 @@ from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, 
 from zerojax.comm.hierarchy import Comm, manual_over_data
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.device_values import combine_state, fold_keys
-from zerojax.errors import ZeroWarning
+from zerojax.errors import warn
 from zerojax.flax.gather import LAYER, GatherContext, gather_context
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
@@ -140,12 +139,10 @@ def hooked_apply_fn(
             for param, (p, _) in zip(is_param, flat_vars, strict=True)
         ]
         if comm.secondary and not any(claimed):
-            warnings.warn(
+            warn(
                 "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
                 "units, so its parameters are gathered once per step and kept for backward "
-                "(no backward gather to keep inside the node). Name its blocks with units=.",
-                category=ZeroWarning,
-                stacklevel=2,
+                "(no backward gather to keep inside the node). Name its blocks with units=."
             )
         whole = [i for i, c in enumerate(claimed) if is_param[i] and not c]
         others = tuple(x for x, param in zip(leaves, is_param, strict=True) if not param)

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 import re
-import warnings
 
 import jax
 import numpy as np
@@ -21,12 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.errors import ZeroWarning
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
 PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
 DEVICE, HOST = "device", "pinned_host"  # JAX memory kinds a leaf may rest in
-LARGE_REPLICATED_BYTES = 1 << 20  # warn when a leaf this big must stay replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +265,6 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
                 tensor=layout,
             )
         )
-    _warn_large_replicated(plans, axis_size)
     return StateLayout(treedef, tuple(plans))
 
 
@@ -330,23 +326,6 @@ def spec_entry(names: tuple):
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def _warn_large_replicated(plans, n):
-    big = [
-        p
-        for p in plans
-        if p.reason.startswith("replicated: no dim") and p.nbytes >= LARGE_REPLICATED_BYTES
-    ]
-    if big:
-        names = ", ".join(f"{p.path} {p.shape} ({p.nbytes / 2**20:.1f} MiB)" for p in big[:5])
-        warnings.warn(
-            f"zerojax keeps these large leaves replicated because no dimension "
-            f"divides by {n}: {names}. Give them a divisible shape (e.g. pad the "
-            "vocabulary) or use a device count that divides one of their dims.",
-            category=ZeroWarning,
-            stacklevel=3,
-        )
-
-
 def check_placed(state, shardings):
     """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
     for (path, leaf), want in zip(
@@ -356,8 +335,16 @@ def check_placed(state, shardings):
     ):
         have = getattr(leaf, "sharding", None)
         if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+            mesh = getattr(have, "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and mesh != want.mesh:
+                how = (
+                    f"it lives on a mesh {dict(mesh.shape)}, this zero_shard's is "
+                    f"{dict(want.mesh.shape)}: a state from another zero_shard?"
+                )
+            else:
+                how = f"it has {have}, expected {want.spec} on the mesh"
             raise ZeroError(
-                f"state leaf {path_str(path)} is not placed as this zero_shard expects (it has "
-                f"{have}, expected {want.spec} on the mesh): create the state with zero.init(...) "
-                "or place it with zero.shard(state)."
+                f"state leaf {path_str(path)} is not placed as this zero_shard expects ({how}): "
+                "create the state with this zero's zero.init(...), or move it here with "
+                "zero.shard(state)."
             )

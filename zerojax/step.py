@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
+import inspect
 import weakref
 
 import jax
@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.hierarchy import manual_over_data
 from zerojax.config import ZeroError
-from zerojax.errors import ZeroWarning
+from zerojax.errors import once_per, warn
 from zerojax.flax.nnx_managed import ManagedObjects
 from zerojax.hook import hooked_apply_fn
 from zerojax.local_step import local_body
@@ -47,22 +47,64 @@ from zerojax.state import Boundary, split_call
 
 
 def _check_call(tree, batch, extra) -> None:
-    """A step called inside another jax transformation, or on a state zero did not place,
-    fails here with what to do (not with an AttributeError from deep inside)."""
+    """A step called inside another jax transformation, on something that is not a train
+    state, or on a state zero did not place (made with TrainState.create, abstract, donated
+    to an earlier call) fails here with what to do, not deep inside jax or with a crash."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tree, batch, extra))):
         raise ZeroError(
             "this zerojax step was called inside another JAX transformation (jax.jit, vmap, "
             "grad, scan...): it is jitted already, with the state's shardings and donation. "
             "Call it directly, from Python; to inspect it use step.trace(...) / step.lower(...)."
         )
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not any(category_of(path) == PARAMS for path, _ in leaves):
+        keys = list(tree) if isinstance(tree, dict) else []
+        raise ZeroError(
+            f"the step's first argument is a {type(tree).__name__}"
+            + (f" with keys {keys}" if keys else "")
+            + " and holds no `params`: a zerojax step is called step(state, batch, *extra) "
+            "with the train state zero.init / zero.shard returned first (NNX: step(model, "
+            "optimizer, ..., batch))."
+        )
+    for path, leaf in leaves:
+        where = f"state leaf {jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ZeroError(
+                f"{where} is abstract (a ShapeDtypeStruct, e.g. from zero.eval_shape): there "
+                "are no values to train. Allocate the state with zero.init(init_fn, key); to "
+                "compile or size the step without allocating, use step.lower(state, batch) "
+                "or zero.report(step, state, batch)."
+            )
         if not isinstance(leaf, jax.Array):
             raise ZeroError(
-                f"state leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an "
-                "array placed by this zero_shard (a state made with TrainState.create(...) "
-                "directly?): create it with zero.init(init_fn, key), or place it with "
-                "zero.shard(state)."
+                f"{where} is a {type(leaf).__name__}, not an array placed by this zero_shard "
+                "(a state made with TrainState.create(...) directly?): create it with "
+                "zero.init(init_fn, key), or place it with zero.shard(state)."
             )
+        if leaf.is_deleted():
+            raise ZeroError(
+                f"{where} was donated to an earlier call of this step, which reused its "
+                "memory for the state it returned (donate=True). Pass the state each call "
+                "returns: `state, metrics = step(state, batch)`; to keep old states usable "
+                "set donate=False (more memory)."
+            )
+
+
+def _check_arity(fn, count: int, kinds: str) -> None:
+    """`fn` must take the `count` arguments of this call (`kinds` describes them), else a
+    ZeroError naming the two calling conventions rather than a TypeError from inside jit."""
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except ValueError:  # a builtin or C function: no signature to read
+        return
+    except TypeError as e:
+        name = getattr(fn, "__name__", "the step")
+        raise ZeroError(
+            f"{name}{inspect.signature(fn)} cannot take this call's {count} arguments "
+            f"({kinds}): {e}. A TrainState (or pytree) step is called step(state, batch, "
+            "*extra); an NNX step step(model, optimizer, ..., batch, *extra), with the "
+            "objects zero.init / zero.shard returned, and takes them as its arguments."
+        ) from None
 
 
 class ZeroStep:
@@ -75,7 +117,6 @@ class ZeroStep:
         self._jitted = {}
         self.used_explicit_collectives = None  # known after the first trace
         self.units: tuple[str, ...] | None = None  # stage-3 units of the last trace
-        self._warned = False
         # the micro-batch position of the state the last call returned, known without reading
         # the device: a weak reference to that state's counter (never to the state itself)
         self._last_micro: weakref.ref | None = None
@@ -98,7 +139,12 @@ class ZeroStep:
     # ---- calling -----------------------------------------------------------------------------
     def __call__(self, *args):
         """`step(state, batch, *extra)`, or for NNX objects `step(model, optimizer, ...,
-        batch, *extra)` (the objects are updated in place and `fn`'s return value returned)."""
+        batch, *extra)` (the objects are updated in place and `fn`'s return value returned).
+        Each warning it gives appears once per zero."""
+        with once_per(self.zero.warned):
+            return self._call(args)
+
+    def _call(self, args):
         if (fitted := self._budgeted(args)) is not None:
             out = fitted(*args)
             self.used_explicit_collectives, self.units = (
@@ -107,6 +153,7 @@ class ZeroStep:
             )
             return out
         call, batch, extra = split_call(args)
+        _check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
         _check_call(call.tree, batch, extra)
         self._raise_if_scale_exhausted()
         self.check()
@@ -148,15 +195,15 @@ class ZeroStep:
                 f"{message}; stopping (on_nonfinite='stop'). The state that call "
                 "returned is the last good one, unchanged by the bad step."
             )
-        warnings.warn(
-            f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').",
-            category=ZeroWarning,
-            stacklevel=3,
-        )
+        warn(f"zerojax: {message} ({int(total)} skipped so far; on_nonfinite='skip').")
 
     def trace(self, *args, micro: bool = False) -> jax.stages.Traced:
         """Trace the optimizer-step variant (or, with micro=True, the accumulate-only one):
         the usual jax `Traced`, with its `.jaxpr`."""
+        with once_per(self.zero.warned):
+            return self._trace(args, micro)
+
+    def _trace(self, args, micro: bool) -> jax.stages.Traced:
         if (fitted := self._budgeted(args)) is not None:
             traced = fitted.trace(*args, micro=micro)
             self.used_explicit_collectives, self.units = (
@@ -165,6 +212,7 @@ class ZeroStep:
             )
             return traced
         state, batch, extra = split_call(args)
+        _check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
         jitted, _, batch = self._prepare(state, batch, extra, micro)
         traced = jitted.trace(state.tree, batch, *extra)
         self._warn_if_not_hooked()
@@ -187,9 +235,17 @@ class ZeroStep:
 
     def _micro_index(self, tree) -> int:
         cfg = self.zero.config
-        if not cfg.manages_update:
-            return 0
         opt = zero_opt_state(tree)
+        if not cfg.manages_update:
+            if opt is not None:  # its optax would hand the gradients to nobody: no update
+                raise ZeroError(
+                    "this state holds master weights and buffers from a zero_shard that "
+                    "manages the update (precision, accumulation or clipping), but this "
+                    "zero_shard does not manage it. Decorate the step with the zero that made "
+                    "the state (same precision, gradient_accumulation_steps, "
+                    "gradient_clipping), or create the state with this zero's zero.init."
+                )
+            return 0
         if opt is None:
             raise ZeroError(
                 "this zero_shard manages the update (precision, accumulation or "
@@ -271,7 +327,18 @@ class ZeroStep:
             hook = self._hook(layout, batch_rows, calls, managed and managed.scale)
             hooked = nnx_calls_hooked(hook, batch_rows, objs, objects.prefixes)
         with hooked, capture_gradients() as sink:
-            out = self.fn(*objs, batch, *extra)
+            try:
+                out = self.fn(*objs, batch, *extra)
+            except AttributeError as e:
+                if not any(getattr(e, "obj", None) is o for o in objs):
+                    raise
+                raise ZeroError(
+                    f"{getattr(self.fn, '__name__', 'the step')} reads `.{e.name}` of an NNX "
+                    f"{type(e.obj).__name__}, as a step written for a Linen TrainState does. "
+                    "Pass it a TrainState (step(state, batch)), or write it for NNX: "
+                    "step(model, optimizer, batch), taking nnx.grad of the model and calling "
+                    "optimizer.update(model, grads)."
+                ) from None
         self._traced_calls(calls)
         if managed and cfg.precision != "fp32" and not calls:
             raise ZeroError(
@@ -405,14 +472,17 @@ class ZeroStep:
 
     def _warn_if_not_hooked(self):
         cfg = self.zero.config
-        if cfg.explicit_collectives and cfg.shards_gradients and not self._warned:
-            if self.used_explicit_collectives is not False:
-                return
-            self._warned = True
-            warnings.warn(
+        if not (cfg.explicit_collectives and cfg.shards_gradients):
+            return
+        if self.used_explicit_collectives is False:
+            cost = (
+                "stage 3 then gathers the parameters where XLA chooses, not unit by unit, so "
+                "the peak holds many layers' weights"
+                if cfg.shards_parameters
+                else f"on CPU, stage {cfg.stage} then all-reduces the gradients instead of "
+                "reduce-scattering them"
+            )
+            warn(
                 f"zerojax: {self._fallback_reason()}, so XLA's partitioner places every "
-                "collective, ZeRO's included (on CPU, stage 2 then all-reduces the gradients "
-                "instead of reduce-scattering them).",
-                category=ZeroWarning,
-                stacklevel=3,
+                f"collective, ZeRO's included ({cost})."
             )

@@ -27,7 +27,6 @@ import contextlib
 import contextvars
 import dataclasses
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,7 @@ from zerojax.comm.hierarchy import (
     vary_over_replicas,
 )
 from zerojax.device_values import varying
-from zerojax.errors import ZeroWarning
+from zerojax.errors import warn
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
 
@@ -376,13 +375,11 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
         and any(r.shape == shape for shape, _ in shapes)
     ]
     if copies:
-        warnings.warn(
+        warn(
             f"recompute_units=False: a unit keeps a {copies[0].dtype} copy of a "
             f"{copies[0].shape} weight between forward and backward (its module casts its "
             "parameters, e.g. a `dtype=` argument), so that weight stays gathered; set the "
-            "module's param_dtype to the compute dtype, or keep recompute_units=True.",
-            category=ZeroWarning,
-            stacklevel=2,
+            "module's param_dtype to the compute dtype, or keep recompute_units=True."
         )
     return (out, state), (treedef, slots, saved)
 

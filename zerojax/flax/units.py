@@ -16,14 +16,13 @@ import collections
 import contextlib
 import dataclasses
 import re
-import warnings
 
 import flax.linen as nn
 import jax
 import numpy as np
 from flax.core.scope import Scope
 
-from zerojax.errors import ZeroWarning
+from zerojax.errors import warn
 from zerojax.flax.gather import current_context, gather_unit
 
 UNIT_MARK = "_zerojax_unit"
@@ -131,10 +130,8 @@ def select_units(calls: dict, units) -> frozenset:
         if unused:
             seen = sorted({c.cls for c in candidates.values()})
             seen += sorted(p for p in candidates if p.count("/") <= 1)[:12]
-            warnings.warn(
+            warn(
                 f"zerojax: units {unused} match no module with parameters (patterns match a "
-                f"whole class name or path; the model has {', '.join(seen)}, ...).",
-                category=ZeroWarning,
-                stacklevel=4,
+                f"whole class name or path; the model has {', '.join(seen)}, ...)."
             )
     return frozenset(p for p in chosen if not any(p.startswith(q + "/") for q in chosen))
