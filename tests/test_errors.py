@@ -323,6 +323,10 @@ def test_a_persistence_threshold_that_keeps_everything_whole_warns_once_at_init(
     )
     assert "100.00% of the bytes stage 3 splits" in message and "lower it" in message
     assert caught[0].filename == __file__  # points at the user's zero.init line
+    with warnings.catch_warnings():  # what `-W error::zerojax.ZeroWarning` does
+        warnings.simplefilter("error", zj.ZeroWarning)
+        with pytest.raises(zj.ZeroWarning, match="stage3_param_persistence_threshold"):
+            zj.zero_shard(config=config).init(make_init(optax.adam(1e-3)), jax.random.key(0))
 
 
 def test_a_mesh_of_one_device_warns_once_at_init():
