@@ -51,6 +51,14 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
+def learning_rate(state, position: int, schedule) -> float:
+    """The learning rate of the update just made: the optimizer state's injected one (a
+    config's optimizer), else the example's own schedule at `position`."""
+    has = lambda x: hasattr(x, "hyperparams")
+    injected = [x for x in jax.tree_util.tree_leaves(state.opt_state, is_leaf=has) if has(x)]
+    return float(injected[0].hyperparams["learning_rate"] if injected else schedule(position))
+
+
 def train_step(state, tokens):
     """The plain Flax step: next-token cross-entropy, value_and_grad, apply_gradients."""
 
@@ -181,6 +189,7 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     import zerojax as zj
+    from zerojax.config_files import read_config
     from zerojax.launch import initialize
     from zerojax.models.data import Batches, load_tokens
     from zerojax.models.gpt import make_init
@@ -206,10 +215,22 @@ def main(argv=None):
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1), args.lr * 0.1
     )
+    tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
+    described = "adamw, lr {args.lr} (warmup {args.warmup}, cosine)"
+    if args.config and "optimizer" in read_config(args.config):
+        # the config's optimizer and scheduler; its "auto" values from these flags, as the
+        # Hugging Face Trainer fills them from its arguments
+        tx = zj.optimizer_from_config(
+            args.config,
+            lr=args.lr,
+            betas=(0.9, 0.95),
+            weight_decay=args.weight_decay,
+            warmup_num_steps=args.warmup,
+            total_num_steps=args.steps,
+        )
+        described = "the config's optimizer and scheduler blocks"
     model = LM(cfg)
-    init_fn = make_init(
-        model, optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=args.weight_decay)
-    )
+    init_fn = make_init(model, tx)
     tokens, source = load_tokens(args.data)
     batches = Batches(tokens, cfg.seq_len, args.batch_size, args.seed)
     if args.batch_size % (n_proc * zero.axis_size // n_proc):
@@ -254,8 +275,8 @@ def main(argv=None):
         f"communication {mib(report.sent_bytes)} sent per step"
         + (f" ({mib(report.cross_node_bytes)} across nodes)" if "node" in zero.mesh.shape else "")
         + "\n"
-        f"  {args.steps} steps of {args.batch_size} x {cfg.seq_len} tokens, lr {args.lr} "
-        f"(warmup {args.warmup}, cosine), log {args.log_dir}"
+        f"  {args.steps} steps of {args.batch_size} x {cfg.seq_len} tokens, optimizer "
+        f"{described.format(args=args)}, log {args.log_dir}"
     )
 
     logger = Logger(args.log_dir, main_process)
@@ -287,7 +308,7 @@ def main(argv=None):
         record = {
             "step": position + 1,
             "loss": loss,
-            "lr": float(schedule(position)),
+            "lr": learning_rate(state, position, schedule),
             "tokens_per_s": tps,
             **({"mfu": mfu} if mfu is not None else {}),
         }

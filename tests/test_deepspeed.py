@@ -145,7 +145,6 @@ def test_keys_that_act(data, want):
             {"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
             "nvme_path: NVMe offload is not supported",
         ),
-        ({"optimizer": {"type": "AdamW"}}, "from your optax code"),
         ({"amp": {"enabled": True}}, "amp: apex AMP is not supported"),
         ({"fp16": {"enabled": True, "consecutive_hysteresis": True}}, "consecutive_hysteresis"),
         (

@@ -195,3 +195,15 @@ def test_zeropp_converges_like_zero3(tmp_path):
         losses = list(_losses(tmp_path / config).values())
         final[config] = sum(losses[-10:]) / 10
     assert final["zero3_zeropp"] == pytest.approx(final["zero3_bf16"], rel=0.02), final
+
+
+def test_a_config_with_an_optimizer_block_trains_with_it(tmp_path):
+    """accelerate_zero2's AdamW + WarmupDecayLR, its "auto" values from the flags (lr 3e-3,
+    warmup 1 -> DeepSpeed's minimum of 2, 5 steps): the logged rate is DeepSpeed's."""
+    out = _run("--config", "accelerate_zero2", "--steps", 5, "--warmup", 1, "--log-dir", tmp_path)
+    assert "optimizer the config's optimizer and scheduler blocks" in out
+    rates = [r["lr"] for r in _metrics(tmp_path) if "lr" in r]
+    # update k uses iteration i = k - 1: 0 as built, log(i + 1) / log(2) for i < 2, then the
+    # decay (5 - i) / (5 - 2)
+    want = [0.0, 0.0, 3e-3, 3e-3 * (5 - 2) / 3, 3e-3 * (5 - 3) / 3]
+    assert rates == pytest.approx(want, abs=1e-9)

@@ -5,6 +5,7 @@ from zerojax import xla_flags as _xla_flags
 _xla_flags.apply_defaults()  # before anything starts JAX's backend
 
 from zerojax.config import ZeroConfig, ZeroError  # noqa: E402
+from zerojax.ds_optimizer import optimizer_from_config  # noqa: E402
 from zerojax.engine import ZeroShard, zero_shard  # noqa: E402
 from zerojax.errors import ZeroWarning  # noqa: E402
 from zerojax.mesh import make_mesh  # noqa: E402
@@ -18,6 +19,7 @@ __all__ = [
     "ZeroStep",
     "ZeroWarning",
     "make_mesh",
+    "optimizer_from_config",
     "zero_shard",
 ]
 

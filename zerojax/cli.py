@@ -348,12 +348,12 @@ def config_parser(sub) -> None:
 
 
 def config(args) -> int:
-    from zerojax.config import ZeroConfig, ZeroError, config_path
+    from zerojax.config import ZeroConfig, ZeroError
+    from zerojax.config_files import read_config
     from zerojax.deepspeed import explain
 
     try:
-        with open(config_path(args.file)) as f:
-            data = json.load(f)
+        data = read_config(args.file)
         rows, options, unknown = explain(data, ZeroConfig.defaults())
         resolved = ZeroConfig(**options)
         if args.devices:

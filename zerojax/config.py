@@ -6,16 +6,16 @@ This module imports no jax, so configs can be built, validated and explained any
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from zerojax.config_files import read_config
 from zerojax.deepspeed import batch_sizes, choice, offload_device, options_from_deepspeed
 from zerojax.errors import ZeroError, nearest
 
-__all__ = ["ZeroConfig", "ZeroError", "config_path", "presets", "resolve_config"]
+__all__ = ["ZeroConfig", "ZeroError", "resolve_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -509,22 +509,16 @@ class ZeroConfig:
 
     @classmethod
     def from_json(
-        cls, source: str | os.PathLike | Mapping[str, Any], strict: bool = True
+        cls,
+        source: str | os.PathLike | Mapping[str, Any],
+        strict: bool = True,
+        auto: Mapping[str, Any] | None = None,
     ) -> ZeroConfig:
-        """Read a DeepSpeed-style JSON config (a path or an already loaded dict)."""
-        if isinstance(source, Mapping):
-            data = dict(source)
-        else:
-            path = config_path(source)
-            try:
-                with open(path) as f:
-                    data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ZeroError(f"config file {path!r} is not valid JSON: {e}.") from None
-        return cls(**options_from_deepspeed(data, strict=strict, defaults=cls.defaults()))
-
-
-PRESETS_DIR = os.path.join(os.path.dirname(__file__), "configs")
+        """Read a DeepSpeed-style JSON config (a path, a preset name or a loaded dict). An
+        "auto" value takes the option `auto` gives (the keyword options passed beside the
+        config, as the HF Trainer fills it from its arguments), else zerojax's default."""
+        defaults = {**cls.defaults(), **(auto or {})}
+        return cls(**options_from_deepspeed(read_config(source), strict, defaults))
 
 
 SIZE_UNITS = {"": 1, "B": 1} | {
@@ -540,27 +534,6 @@ def size_in_bytes(text: str, name: str = "size") -> int:
     if not m or m.group(2).upper() not in SIZE_UNITS:
         raise ZeroError(f"{name}: {text!r} is not a size such as 80GB or 80GiB.")
     return int(float(m.group(1)) * SIZE_UNITS[m.group(2).upper()])
-
-
-def presets() -> list[str]:
-    """Names of the DeepSpeed-style presets shipped with zerojax ('zero3_offload', ...)."""
-    return sorted(f[:-5] for f in os.listdir(PRESETS_DIR) if f.endswith(".json"))
-
-
-def config_path(source: str | os.PathLike) -> str:
-    """The JSON file `source` names: a path that exists, else a shipped preset by name
-    ('zero3', 'zero3.json' or 'configs/zero3.json' from any directory)."""
-    path = os.fspath(source)
-    if os.path.exists(path):
-        return path
-    name = os.path.basename(path)
-    name = name[:-5] if name.endswith(".json") else name
-    if name in presets():
-        return os.path.join(PRESETS_DIR, name + ".json")
-    raise ZeroError(
-        f"config file {path!r} does not exist and is not a zerojax preset"
-        f"{nearest(name, presets())}; presets: {', '.join(presets())}."
-    )
 
 
 def _is_int(value) -> bool:
@@ -592,7 +565,7 @@ def resolve_config(config=None, strict: bool = True, **overrides) -> ZeroConfig:
     elif isinstance(config, ZeroConfig):
         base = config
     elif isinstance(config, (str, os.PathLike, Mapping)):
-        base = ZeroConfig.from_json(config, strict=strict)
+        base = ZeroConfig.from_json(config, strict=strict, auto=overrides)
     else:
         raise ZeroError(
             "config must be a ZeroConfig, a path to a DeepSpeed JSON file or a "

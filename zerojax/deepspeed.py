@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from zerojax.ds_optimizer import explain_block
 from zerojax.errors import ZeroError, closest, nearest, warn
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
@@ -294,7 +295,7 @@ TOP_LEVEL = {
     "train_batch_size": _batch("train_batch_size"),
     "train_micro_batch_size_per_gpu": _batch("micro_batch_size"),
     "gradient_accumulation_steps": _batch("gradient_accumulation_steps"),
-    "gradient_clipping": _sets("gradient_clipping", lambda n, v: 0.0 if v == AUTO else _real(n, v)),
+    "gradient_clipping": _sets("gradient_clipping", _real),
     "communication_data_type": _sets("grad_reduce_dtype", _dtype),
     "data_types": Key(ACTS, "grad_accum_dtype"),
     "wall_clock_breakdown": _ignored("zero.report(...) and the JAX profiler show where time goes"),
@@ -303,8 +304,8 @@ TOP_LEVEL = {
     "zero_allow_untested_optimizer": _ignored("every optax optimizer is supported"),
     "prescale_gradients": _ignored("gradients are summed in fp32 by default, then averaged"),
     "gradient_predivide_factor": _ignored("gradients are summed in fp32 by default, then averaged"),
-    "optimizer": Key(ERROR, "zerojax takes the optimizer from your optax code (state.tx)"),
-    "scheduler": Key(ERROR, "zerojax takes the schedule from your optax code"),
+    "optimizer": Key(ACTS, "read by zj.optimizer_from_config (its keys: below)"),
+    "scheduler": Key(ACTS, "read by zj.optimizer_from_config (its keys: below)"),
     "amp": _off_only("apex AMP is not supported; use the bf16 or fp16 block"),
 }
 
@@ -346,7 +347,14 @@ def explain(
             walk(value, ZERO_OPTIMIZATION, name + ".", zero)
             return {}
         if key in ("fp16", "bf16", "bfloat16"):
-            return _precision(key, name, value, rows, options, walk)
+            return _precision(key, name, value, rows, options, walk, defaults)
+        if key in ("optimizer", "scheduler"):  # the optax side: explained, built on request
+            explained, strangers = explain_block(key, value)
+            rows.extend(Row(k, ACTS, what) for k, what in explained)
+            unknown.extend(_unknown(*stranger) for stranger in strangers)
+            return {}
+        if value == AUTO and key == "gradient_clipping":  # HF's "auto": your option, or ours
+            return {"gradient_clipping": (defaults or {}).get("gradient_clipping", 0.0)}
         if key == "data_types":
             _section(name, value)
             out = {}
@@ -419,12 +427,14 @@ def _section(name, value):
         raise ZeroError(f"{name} must be an object such as {{...}}; got {value!r}.")
 
 
-def _precision(key, name, value, rows, options, walk) -> dict:
-    """The fp16 / bf16 block: enabled (true, false or "auto" = zerojax's default, off)."""
+def _precision(key, name, value, rows, options, walk, defaults) -> dict:
+    """The fp16 / bf16 block: enabled (true, false, or "auto": on when the `precision` option
+    passed beside the config (else zerojax's default, fp32) is this block's)."""
     _section(name, value)
-    enabled = value.get("enabled", False)
-    if enabled != AUTO:
-        _flag(f"{name}.enabled", enabled)
+    enabled = automatic = value.get("enabled", False)
+    if automatic == AUTO:
+        enabled = (defaults or {}).get("precision") == ("fp16" if key == "fp16" else "bf16")
+    _flag(f"{name}.enabled", enabled)
     rest = {k: v for k, v in value.items() if k != "enabled"}
     table = FP16 if key == "fp16" else BF16
     if enabled is True:
@@ -434,7 +444,13 @@ def _precision(key, name, value, rows, options, walk) -> dict:
             raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
         return {"precision": precision}
     scaling = [k for k in rest if table.get(k) and table[k].kind == ACTS]
-    if scaling:
+    if scaling and automatic == AUTO:  # an HF template's block, off here: read, not used
+        for k in scaling:
+            rows.append(
+                Row(f"{name}.{k}", IGNORED, f"{name} is off ('auto': precision is not {key})")
+            )
+        rest = {k: v for k, v in rest.items() if k not in scaling}
+    elif scaling:
         raise ZeroError(f"{name} sets {', '.join(scaling)} but is not enabled.")
     walk(rest, table, name + ".")
     return {}
