@@ -363,7 +363,7 @@ def optimizer_from_config(config, **auto) -> optax.GradientTransformation:
     if kind.factory is _adam:
         hyper["decoupled"] = kind_name == "adamw" or bool(p["adam_w_mode"])
     hyper["learning_rate"] = p["lr"]
-    if sched_name:
+    if sched_name and isinstance(schedule, Mapping):
         defaults, build = SCHEDULERS[sched_name]
         s = _params(schedule, "scheduler", defaults, {}, auto)
         s["lr"] = p["lr"]
@@ -408,7 +408,7 @@ def explain_block(section: str, block) -> tuple[list[tuple[str, str]], list[tupl
     if params and all(v == AUTO for v in params.values()):
         what += "; all its values are 'auto': your optax code provides them, or pass them to it"
     rows = [(f"{section}.type", what)]
-    valid = {}
+    valid: Mapping[str, Any] = {}
     if kind is not None:
         entry = OPTIMIZERS[kind] if section == "optimizer" else None
         valid = {**entry.defaults, **entry.fixed} if entry else SCHEDULERS[kind][0]
