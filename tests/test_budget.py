@@ -10,6 +10,7 @@ import pytest
 import zerojax as zj
 from tests.common import assert_trees_close
 from tests.test_units import Transformer, init_fn, step, train_both
+from zerojax.budget import largest_fitting
 
 SEQ = 16
 DATA = [np.random.default_rng(i).integers(0, 128, (16, SEQ + 1), dtype=np.int32) for i in range(2)]
@@ -78,3 +79,20 @@ def test_a_fraction_needs_a_device_that_reports_its_memory():
     zero = zj.zero_shard(stage=3, memory_budget=0.9)
     with pytest.raises(zj.ZeroError, match="cpu devices do not report: give a size"):
         zero(step)(zero.shard(start(Transformer(2, False))), jnp.asarray(DATA[0]))
+
+
+@pytest.mark.parametrize(
+    "peak",
+    [
+        lambda b: 100 + 10 * b,  # affine: activations per sequence
+        lambda b: 100 + 10 * b + b * b // 50,  # convex
+        lambda b: 100 + 64 * ((10 * b + 63) // 64),  # XLA's buffers in steps
+        lambda b: 10**9,  # nothing fits
+    ],
+    ids=["affine", "convex", "steps", "none"],
+)
+def test_largest_fitting_batch_matches_a_search_of_every_batch(peak):
+    for limit in (105, 1000, 5000):
+        want = max([b for b in range(1, 2000) if peak(b) <= limit], default=0)
+        got, compiles = largest_fitting(peak, limit)
+        assert got == want and compiles <= 16

@@ -118,3 +118,21 @@ def test_plan_on_a_node_local_mesh_counts_cross_node_bytes():
     assert plain["cross_node_bytes"] == plain["comm_sent_bytes"]  # every group spans nodes
     assert zeropp["cross_node_bytes"] < 0.3 * plain["cross_node_bytes"]
     assert rows["MiCS"]["at_rest_bytes"] > plain["at_rest_bytes"]  # sharded over 4, not 8
+
+
+@pytest.mark.slow
+def test_plan_max_batch_finds_the_largest_batch_that_fits():
+    """Each row's max_batch fits the device memory and one more sequence does not (checked by
+    planning those batch sizes), and ZeRO's stages fit at least stage 0's batch."""
+    small = ["--preset", "tiny", "--layers", "1", "--seq-len", "32", "--devices", "2"]
+    memory = ["--device-memory", "40MB"]
+    out = _plan(*small, *memory, "--no-offload", "--max-batch", "--json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["stage"]: r for r in json.loads(out.stdout)}
+    assert rows[0]["max_batch"] > 1
+    assert all(rows[s]["max_batch"] >= rows[0]["max_batch"] for s in (1, 2, 3))
+    for batch, fits in ((rows[2]["max_batch"], True), (rows[2]["max_batch"] + 1, False)):
+        check = _plan(
+            *small, *memory, "--stage", "2", "--no-offload", "--batch-size", str(batch), "--json"
+        )
+        assert json.loads(check.stdout)[0]["fits"] is fits

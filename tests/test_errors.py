@@ -188,7 +188,7 @@ def _mistakes():
         (
             "a config file that does not exist",
             lambda z, f, s: zj.zero_shard(config="ds_confg.json"),
-            r"does not exist and is not a zerojax preset; presets: zero0",
+            r"does not exist and is not a zerojax preset; presets: accelerate_zero2",
         ),
         (
             "stage as a string",

@@ -115,3 +115,33 @@ def _by_gathered_bytes(zero, step, args) -> list:
         if plan.unit is not None and plan.split_dim is not None:
             cost[plan.unit] += plan.nbytes
     return sorted(cost, key=lambda unit: (-cost[unit], unit))
+
+
+def largest_fitting(peak_at, limit: int, most: int = 1 << 14) -> tuple[int, int]:
+    """(the largest batch b <= `most` with peak_at(b) <= limit (0 if not even 1), compiles
+    made): peak_at(b) is a compiled peak, close to affine in b (activations grow with it), so
+    each guess extends the line through the two nearest probes (secant, at most 4x the largest
+    fit so far), alternating with bisection once the answer is bracketed, until b fits and
+    b + 1 does not."""
+    peaks: dict[int, int] = {}
+
+    def fits(b: int) -> bool:
+        if b not in peaks:
+            peaks[b] = peak_at(b)
+        return peaks[b] <= limit
+
+    if not fits(1):
+        return 0, len(peaks)
+    good, bad, turn = 1, most + 1, 0  # fits(good); bad: the least known not to fit
+    while bad - good > 1:
+        below = sorted(b for b in peaks if b <= good)[-2:]  # the two largest that fit
+        if turn % 2 and bad <= most or len(below) < 2:
+            guess = (good + bad) // 2 if bad <= most else min(2 * good, most)
+        else:
+            (b1, b2) = below
+            slope = max((peaks[b2] - peaks[b1]) / (b2 - b1), 1.0)
+            guess = b2 + int((limit - peaks[b2]) // slope)
+        guess = min(max(guess, good + 1), bad - 1, 4 * good)  # far guesses compile slowly
+        good, bad = (guess, bad) if fits(guess) else (good, guess)
+        turn += 1
+    return good, len(peaks)

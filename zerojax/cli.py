@@ -14,6 +14,7 @@ the compiled peak and the communication per step, all read from the compiled pro
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -63,6 +64,12 @@ def plan_parser(sub) -> None:
         help="e.g. 60GB: stage 3 rows keep units gathered as far as it allows (see budget)",
     )
     p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="with --device-memory: each row's largest sequences per device that fit, found "
+        "by compiling (no allocation), and its ratio to stage 0's",
+    )
+    p.add_argument(
         "--explain-peak",
         action="store_true",
         help="list what is alive at each row's compiled peak, by category, and its largest buffers",
@@ -105,9 +112,16 @@ def plan(args) -> int:
     import optax
 
     import zerojax as zj
+    from zerojax.budget import largest_fitting
     from zerojax.models.gpt import lm_units, make_init, train_step
     from zerojax.models.lm import LM, LM_PRESETS
 
+    if args.max_batch and (args.device_memory is None or args.memory_budget):
+        print(
+            "zerojax plan: --max-batch needs --device-memory (and no --memory-budget)",
+            file=sys.stderr,
+        )
+        return 2
     if args.preset not in LM_PRESETS:
         print(
             f"zerojax plan: unknown preset {args.preset!r}; presets: {', '.join(LM_PRESETS)}",
@@ -164,6 +178,13 @@ def plan(args) -> int:
             )
         step = zero(train_step)
         rep = zero.report(step, state, batch, dump_to=dump)
+        largest = None
+        if args.max_batch:  # the bound moves with the compiled arguments + temporaries
+            peak_at = functools.partial(
+                _device_peak, step, state, devices=args.devices, seq_len=cfg.seq_len
+            )
+            offset = rep.peak_bound_bytes - peak_at(args.batch_size)
+            largest = largest_fitting(peak_at, args.device_memory - offset)
         peaks.append(rep.peak)
         rows.append(
             {
@@ -189,6 +210,8 @@ def plan(args) -> int:
                 "fits": None
                 if args.device_memory is None
                 else rep.peak_bound_bytes <= args.device_memory,
+                "max_batch": largest[0] if largest else None,
+                "max_batch_compiles": largest[1] if largest else None,
             }
         )
     if args.json:
@@ -197,6 +220,8 @@ def plan(args) -> int:
         _print_table(rows, args, cfg)
         for name in xla_flags.PLANNING:
             print(f"XLA flag {name}: {xla_flags.effective()[name]}")
+        if args.max_batch:
+            _print_max_batch(rows, args)
         for r in rows:
             if r["budget"]:
                 print(f"stage 3, offload {r['offload']}, ZeRO++ {r['zeropp']}: {r['budget']}")
@@ -250,6 +275,35 @@ def _print_table(rows, args, cfg) -> None:
                 if best
                 else "none; add devices, lower the batch or sequence length"
             )
+        )
+
+
+def _device_peak(step, state, per_device: int, devices: int, seq_len: int) -> int:
+    """Compiled arguments + temporaries of `step` at `per_device` sequences per device (a
+    plain compile: `zero.report` also dumps and reads XLA's live ranges)."""
+    import jax
+    import jax.numpy as jnp
+
+    batch = jax.ShapeDtypeStruct((per_device * devices, seq_len + 1), jnp.int32)
+    memory = step.lower(state, batch).compile().memory_analysis()
+    return int(memory.argument_size_in_bytes) + int(memory.temp_size_in_bytes)
+
+
+def _print_max_batch(rows, args) -> None:
+    base = next((r for r in rows if r["stage"] == 0 and r["offload"] == "none"), rows[0])
+    print(
+        f"largest sequences per device whose compiled step fits {args.device_memory / 1e9:g} GB "
+        f"(bound <= device memory; {sum(r['max_batch_compiles'] for r in rows)} compiles):"
+    )
+    for r in rows:
+        ratio = (
+            f"{r['max_batch'] / base['max_batch']:.2f}x stage {base['stage']}'s"
+            if base["max_batch"]
+            else f"stage {base['stage']} fits none"
+        )
+        print(
+            f"  stage {r['stage']}, offload {r['offload']}, ZeRO++ {r['zeropp']}: "
+            f"{r['max_batch']}  ({ratio})"
         )
 
 

@@ -9,7 +9,6 @@ def train_step(state, batch): ...    # unchanged single-device step
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.checks import check_init_fn
 from zerojax.comm.hierarchy import comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
 from zerojax.describe import Description, describe, replication_warnings
@@ -46,31 +46,6 @@ def zero_shard(
     if stage is not None:
         options["stage"] = stage
     return ZeroShard(resolve_config(config, strict=strict, **options), mesh)
-
-
-def _check_init_fn(init_fn, args, kwargs) -> None:
-    """`zero.init` takes the function that makes the state and its arguments: a state given
-    instead, or arguments the function does not take, fail with what to write."""
-    if not callable(init_fn):
-        raise ZeroError(
-            f"zero.init takes the function that creates the state (and its arguments, e.g. "
-            f"a PRNG key), not a {type(init_fn).__name__}: to place an existing state use "
-            "zero.shard(state); to create one use zero.init(lambda key: TrainState.create("
-            "...), jax.random.key(0))."
-        )
-    try:
-        signature = inspect.signature(init_fn)
-    except ValueError:  # a builtin: no signature to read
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as e:
-        name = getattr(init_fn, "__name__", "init_fn")
-        raise ZeroError(
-            f"zero.init calls {name}{signature} with the arguments given after it, and "
-            f"{len(args)} positional and {len(kwargs)} keyword arguments do not fit: {e}. "
-            "E.g. zero.init(init_fn, jax.random.key(0))."
-        ) from None
 
 
 class ZeroShard:
@@ -199,7 +174,7 @@ class ZeroShard:
     def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
         """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
         shard by shard and never exists whole on one device."""
-        _check_init_fn(init_fn, args, kwargs)
+        check_init_fn(init_fn, args, kwargs)
         seen = []  # the traced state's boundary (to rebuild the user's kind) and its TP layout
 
         def make(*a, **k):  # traced once: init_fn may build a new model object per call

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import weakref
 
 import jax
@@ -25,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from zerojax.checks import check_arity, check_call
 from zerojax.comm.hierarchy import manual_over_data
 from zerojax.config import ZeroError
 from zerojax.errors import once_per, warn
@@ -44,67 +44,6 @@ from zerojax.optim import (
 from zerojax.outputs import finish, one_capture, same_structure, split_output, with_metrics
 from zerojax.rules import OPT_STATE, PARAMS, category_of, check_placed
 from zerojax.state import Boundary, split_call
-
-
-def _check_call(tree, batch, extra) -> None:
-    """A step called inside another jax transformation, on something that is not a train
-    state, or on a state zero did not place (made with TrainState.create, abstract, donated
-    to an earlier call) fails here with what to do, not deep inside jax or with a crash."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tree, batch, extra))):
-        raise ZeroError(
-            "this zerojax step was called inside another JAX transformation (jax.jit, vmap, "
-            "grad, scan...): it is jitted already, with the state's shardings and donation. "
-            "Call it directly, from Python; to inspect it use step.trace(...) / step.lower(...)."
-        )
-    if not any(category_of(path) == PARAMS for path, _ in leaves):
-        keys = list(tree) if isinstance(tree, dict) else []
-        raise ZeroError(
-            f"the step's first argument is a {type(tree).__name__}"
-            + (f" with keys {keys}" if keys else "")
-            + " and holds no `params`: a zerojax step is called step(state, batch, *extra) "
-            "with the train state zero.init / zero.shard returned first (NNX: step(model, "
-            "optimizer, ..., batch))."
-        )
-    for path, leaf in leaves:
-        where = f"state leaf {jax.tree_util.keystr(path)}"
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise ZeroError(
-                f"{where} is abstract (a ShapeDtypeStruct, e.g. from zero.eval_shape): there "
-                "are no values to train. Allocate the state with zero.init(init_fn, key); to "
-                "compile or size the step without allocating, use step.lower(state, batch) "
-                "or zero.report(step, state, batch)."
-            )
-        if not isinstance(leaf, jax.Array):
-            raise ZeroError(
-                f"{where} is a {type(leaf).__name__}, not an array placed by this zero_shard "
-                "(a state made with TrainState.create(...) directly?): create it with "
-                "zero.init(init_fn, key), or place it with zero.shard(state)."
-            )
-        if leaf.is_deleted():
-            raise ZeroError(
-                f"{where} was donated to an earlier call of this step, which reused its "
-                "memory for the state it returned (donate=True). Pass the state each call "
-                "returns: `state, metrics = step(state, batch)`; to keep old states usable "
-                "set donate=False (more memory)."
-            )
-
-
-def _check_arity(fn, count: int, kinds: str) -> None:
-    """`fn` must take the `count` arguments of this call (`kinds` describes them), else a
-    ZeroError naming the two calling conventions rather than a TypeError from inside jit."""
-    try:
-        inspect.signature(fn).bind(*([None] * count))
-    except ValueError:  # a builtin or C function: no signature to read
-        return
-    except TypeError as e:
-        name = getattr(fn, "__name__", "the step")
-        raise ZeroError(
-            f"{name}{inspect.signature(fn)} cannot take this call's {count} arguments "
-            f"({kinds}): {e}. A TrainState (or pytree) step is called step(state, batch, "
-            "*extra); an NNX step step(model, optimizer, ..., batch, *extra), with the "
-            "objects zero.init / zero.shard returned, and takes them as its arguments."
-        ) from None
 
 
 class ZeroStep:
@@ -153,8 +92,8 @@ class ZeroStep:
             )
             return out
         call, batch, extra = split_call(args)
-        _check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
-        _check_call(call.tree, batch, extra)
+        check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
+        check_call(call.tree, batch, extra)
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(call.tree)
@@ -212,7 +151,7 @@ class ZeroStep:
             )
             return traced
         state, batch, extra = split_call(args)
-        _check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
+        check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
         jitted, _, batch = self._prepare(state, batch, extra, micro)
         traced = jitted.trace(state.tree, batch, *extra)
         self._warn_if_not_hooked()
