@@ -254,6 +254,8 @@ def main(argv=None):
         state, extra = ckpt.restore(jax.eval_shape(init_fn, key))
         start = extra["data_position"]
         say(f"resumed from {args.ckpt_dir} at step {start}")
+        for path in ckpt.cleanup():  # newer steps that did not restore would block new saves
+            say(f"moved aside {path} (it does not restore; nothing was deleted)")
     else:
         state = zero.init(init_fn, key)
     step = zero(train_step)

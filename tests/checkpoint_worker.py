@@ -2,9 +2,11 @@
 launched by test_checkpoint.py (killed with SIGKILL, sent SIGTERM, or run as 2 processes).
 
     python checkpoint_worker.py CKPT_DIR LOSSES_FILE STEPS [--preempt] [--mp ID PORT]
+                                [--restore-only]
 
 Appends "step loss" lines to LOSSES_FILE (a resumed run repeats the steps after its
 checkpoint; the last line per step counts) and prints "ready" after the first step it runs.
+With --restore-only it prints which step it restored and stops.
 """
 
 import os
@@ -71,6 +73,14 @@ def main():
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process)
     zero = zj.zero_shard(**ZERO)
+    if "--restore-only" in sys.argv:  # which step every process restores, then stop
+        ckpt = zj.CheckpointManager(ckpt_dir, zero)
+        chosen = ckpt.latest_step()
+        state, _ = ckpt.restore(jax.eval_shape(init_fn, jax.random.key(0)))
+        print(f"restored {chosen} step-counter {int(state.step)}", flush=True)
+        ckpt.close()
+        jax.distributed.shutdown() if MULTIPROCESS else None
+        return
     ckpt = zj.CheckpointManager(
         ckpt_dir,
         zero,

@@ -2,6 +2,7 @@
 (the same command resumes and continues bitwise), and 2 launched processes match 1."""
 
 import json
+import os
 import pathlib
 import re
 import signal
@@ -207,3 +208,38 @@ def test_a_config_with_an_optimizer_block_trains_with_it(tmp_path):
     # decay (5 - i) / (5 - 2)
     want = [0.0, 0.0, 3e-3, 3e-3 * (5 - 2) / 3, 3e-3 * (5 - 3) / 3]
     assert rates == pytest.approx(want, abs=1e-9)
+
+
+def test_resume_skips_bad_newer_steps_with_one_warning(tmp_path):
+    """A stray 7/, a truncated step 5 and a step 6 without its metadata beside the run's good
+    step 3: the same command resumes from step 3, saying once what it skipped."""
+    from test_checkpoint_health import BREAKS
+
+    ckpt = tmp_path / "ckpt"
+    _run("--steps", 3, "--save-every", 1, "--ckpt-dir", ckpt, "--log-dir", tmp_path / "a")
+    for make in BREAKS.values():
+        make(str(ckpt))
+    out = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--no-progress",
+            "--steps",
+            "4",
+            "--save-every",
+            "1",
+            "--ckpt-dir",
+            str(ckpt),
+            "--log-dir",
+            str(tmp_path / "b"),
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert f"resumed from {ckpt} at step 3" in out.stdout
+    assert out.stderr.count("ZeroWarning: zerojax: restored checkpoint step 3") == 1
+    assert "moved aside" in out.stdout and (ckpt / "4").is_dir()  # saving goes on
+    assert sorted(os.listdir(ckpt / "skipped")) == ["5", "6", "7"]

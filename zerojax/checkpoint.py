@@ -8,7 +8,8 @@ restoring reads it straight into the shardings and memory kinds the CURRENT `zer
 target state, so a checkpoint from 8 devices at stage 3 with bf16 and offload restores onto 1
 device at stage 0 in fp32, with no conversion step. Orbax writes each step into a temporary
 directory and renames it when complete, so a crash never leaves a partial step that restore
-would read.
+would read; a directory copied or pruned by other tools can still hold one, which restoring
+the latest step skips with a warning (`zerojax.checkpoint_health`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from zerojax.checkpoint_health import (
+    UnreadableStep,
+    agreed,
+    complete_steps,
+    missing_files,
+    move_aside,
+    saved_leaves,
+    saved_step,
+)
 from zerojax.config import ZeroError
+from zerojax.errors import warn
 from zerojax.optim import ZeroOptState, initial_scaler, present, zero_opt_state
 from zerojax.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
 from zerojax.state import boundary
@@ -160,6 +171,14 @@ class CheckpointManager:
             state=ocp.args.PyTreeSave(canonical_tree(boundary(state).tree)),
             extra=ocp.args.JsonSave(dict(extra or {})),
         )
+        complete = complete_steps(self._mgr)  # this process's view: no collective here
+        blocking = [s for s in self._mgr.all_steps() if s >= int(step) and s not in complete]
+        if blocking:  # orbax saves only steps newer than every step directory
+            warn(
+                f"zerojax: checkpoint step {step} is not saved: {self.directory} holds step "
+                f"directories {blocking} at or after it that do not restore, and orbax saves "
+                "only newer steps. ckpt.cleanup() moves them aside (nothing is deleted)."
+            )
         saved = self._mgr.save(int(step), force=force or self._sigterm, args=args)
         self._unsaved = None if saved else (int(step), args)
         self._finish_preemption()
@@ -184,32 +203,64 @@ class CheckpointManager:
                 self._mgr.save(step, force=True, args=args)
         self._mgr.wait_until_finished()
 
-    def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, extra) from checkpoint `step` (the latest when None). `target` is a state or
-        an abstract one (`jax.eval_shape(init_fn, key)` or `zero.eval_shape(...)`); the result
-        is laid out by this manager's `zero`, whatever the checkpoint was saved with."""
+    def restore(
+        self, target: Any, step: int | None = None, *, partial: bool = False
+    ) -> tuple[Any, dict]:
+        """(state, extra) from checkpoint `step`, or from the latest step that restores: a
+        newer step that is incomplete or does not read is skipped with one warning (nothing
+        is deleted). `target` is a state or an abstract one (`jax.eval_shape(init_fn, key)`
+        or `zero.eval_shape(...)`); the result is laid out by this manager's `zero`, whatever
+        the checkpoint was saved with. A target whose model changed is a ZeroError naming the
+        missing, unexpected and reshaped leaves; `partial=True` (a concrete target) restores
+        the leaves that match and keeps the target's values for the others."""
+        if step is not None:
+            return self._restore(target, int(step), partial)
+        skipped, steps = [], self.all_steps()
+        for candidate in reversed(steps):
+            try:  # a ZeroError other than UnreadableStep: the target does not match
+                out = self._restore(target, candidate, partial)
+            except UnreadableStep as e:
+                skipped.append((candidate, f"step {candidate}: {str(e).split(': ', 1)[-1]}"))
+                continue
+            skipped += [
+                (s, f"step {s}: incomplete, no {', '.join(missing_files(self.directory, s))}")
+                for s in self._mgr.all_steps()
+                if s > candidate and s not in steps
+            ]
+            if skipped:
+                warn(
+                    f"zerojax: restored checkpoint step {candidate} from {self.directory}, "
+                    "skipping newer steps that do not restore: "
+                    + "; ".join(text for _, text in sorted(skipped, reverse=True))
+                    + f". Nothing was deleted; `zerojax checkpoint verify {self.directory}` "
+                    "checks every step."
+                )
+            return out
+        if not steps:
+            raise ZeroError(
+                f"no complete checkpoint in {self.directory} (step directories there: "
+                f"{list(self._mgr.all_steps())})."
+            )
+        raise ZeroError(
+            f"no checkpoint in {self.directory} restores (complete steps: {steps}"
+            + "".join(f"; {text}" for _, text in skipped)
+            + f"). `zerojax checkpoint verify {self.directory}` says what is wrong."
+        )
+
+    def _restore(self, target, step: int, partial: bool) -> tuple[Any, dict]:
         step, saved = saved_step(self._mgr, step)
         abstract, user = self.zero.holding(target)  # NNX: rebuilds objects like `target`
         shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
         wanted = _canonical_paths(abstract)
+        kept = _mismatch(self.directory, step, saved, wanted, partial)
         request, restore_args = [], []
         for (keys, leaf), sharding in zip(
             wanted, jax.tree_util.tree_leaves(shardings), strict=True
         ):
             meta = None if keys is None else _lookup(saved, keys)
-            if keys is None or (meta is None and keys[0] == "zero"):
-                continue  # derived, or a fresh scaler is fine
+            if keys is None or meta is None or keys in kept:
+                continue  # derived, a fresh scaler, or (partial) the target's own value
             shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
-            if meta is None:
-                raise ZeroError(
-                    f"checkpoint step {step} in {self.directory} has no "
-                    f"{'/'.join(keys)}, which the target state needs."
-                )
-            if tuple(meta.shape) != shape:
-                raise ZeroError(
-                    f"checkpoint leaf {'/'.join(keys)} has shape "
-                    f"{tuple(meta.shape)}, the target {shape}: a different model?"
-                )
             request.append((keys, jax.ShapeDtypeStruct(shape, meta.dtype)))
             restore_args.append(
                 (
@@ -224,25 +275,63 @@ class CheckpointManager:
                     ),
                 )
             )
-        out = self._mgr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=nest(request), restore_args=nest(restore_args), partial_restore=True
+        try:
+            out = self._mgr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        item=nest(request), restore_args=nest(restore_args), partial_restore=True
+                    ),
+                    extra=ocp.args.JsonRestore(),
                 ),
-                extra=ocp.args.JsonRestore(),
-            ),
-        )
+            )
+        except Exception as e:  # noqa: BLE001 - an array file missing or cut short
+            raise UnreadableStep(
+                f"checkpoint step {step} in {self.directory} does not read "
+                f"({type(e).__name__}: {str(e)[:200]})."
+            ) from None
+        own = None
+        if kept:  # the target's values for what the checkpoint cannot give
+            if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(target)):
+                raise ZeroError(
+                    "restore(target, partial=True) keeps the target's values for "
+                    f"{', '.join('/'.join(k) for k in sorted(kept)[:5])}: pass a concrete "
+                    "state (e.g. zero.init(...)), not an abstract one."
+                )
+            own = [
+                (keys, leaf)
+                for keys, leaf in _canonical_paths(self.zero.shard(target))
+                if keys in kept
+            ]
+        restored = out["state"]
+        for keys, leaf in own or []:
+            node = restored
+            for k in keys[:-1]:
+                node = node.setdefault(k, {})
+            node[keys[-1]] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
         return (
-            user.rebuild(_assemble(abstract, shardings, wanted, out["state"], self.zero.config)),
+            user.rebuild(_assemble(abstract, shardings, wanted, restored, self.zero.config)),
             dict(out["extra"] or {}),
         )
 
     def latest_step(self) -> int | None:
-        return self._mgr.latest_step()
+        """The newest complete step (on every process), or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        return list(self._mgr.all_steps())
+        """The complete steps, oldest first: those holding the files orbax writes last, on
+        every process (a directory copied or pruned by hand may hold a partial step)."""
+        return agreed(complete_steps(self._mgr))
+
+    def cleanup(self) -> list[str]:
+        """Move every step directory that does not restore (incomplete, or unreadable
+        metadata) into `DIR/skipped/`, where orbax no longer sees it, so new saves at those
+        step numbers proceed; nothing is deleted. Returns the moved paths."""
+        self._mgr.wait_until_finished()
+        moved = move_aside(self._mgr, self.all_steps())
+        self._mgr.reload()
+        return moved
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -278,18 +367,48 @@ def orbax_manager(directory: str, options) -> ocp.CheckpointManager:
     )
 
 
-def saved_step(mgr, step: int | None) -> tuple[int, dict]:
-    """(step, nested dict of per-leaf metadata: shape, dtype, sharding) of complete checkpoint
-    `step` (the latest when None), or a ZeroError listing the steps there."""
-    steps = list(mgr.all_steps())
-    step = mgr.latest_step() if step is None else int(step)
-    if step is None or step not in steps:
-        raise ZeroError(
-            f"no complete checkpoint {'' if step is None else step} in "
-            f"{mgr.directory} (steps there: {steps})."
-        )
-    meta = mgr.item_metadata(step)["state"]
-    return step, getattr(meta, "tree", meta)
+def _mismatch(directory, step: int, saved: dict, wanted: list, partial: bool) -> set:
+    """The keys (partial=True) the target keeps its own values for: those the checkpoint
+    lacks or holds in another shape. Without `partial`, any missing, unexpected or reshaped
+    leaf is a ZeroError listing them."""
+    want = {keys: leaf for keys, leaf in wanted if keys is not None}
+    missing, reshaped = [], []
+    for keys, leaf in want.items():
+        meta = _lookup(saved, keys)
+        shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
+        if meta is None and keys[0] != "zero":  # a fresh loss scaler is fine
+            missing.append(keys)
+        elif meta is not None and tuple(meta.shape) != shape:
+            reshaped.append((keys, tuple(meta.shape), shape))
+    unexpected = [k for k, _ in saved_leaves(saved) if k not in want and k[0] != "zero"]
+    if not (missing or reshaped or unexpected):
+        return set()
+    if partial and (missing or reshaped):
+        return {k for k in missing} | {k for k, *_ in reshaped}
+    if partial:
+        return set()
+    name = lambda keys: "/".join(keys)
+    few = lambda items: (
+        ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+    )
+    parts = [
+        f"{len(missing)} missing from the checkpoint ({few([name(k) for k in missing])})"
+        if missing
+        else "",
+        f"{len(unexpected)} in the checkpoint, not the target "
+        f"({few([name(k) for k in unexpected])})"
+        if unexpected
+        else "",
+        f"{len(reshaped)} reshaped ({few([f'{name(k)} {a} -> {b}' for k, a, b in reshaped])})"
+        if reshaped
+        else "",
+    ]
+    raise ZeroError(
+        f"checkpoint step {step} in {directory} does not match the target state (a changed "
+        f"model?): {'; '.join(p for p in parts if p)}. restore(target, partial=True) with a "
+        "concrete target restores the leaves that match and keeps the target's values for "
+        "the others (e.g. a new head for fine-tuning)."
+    )
 
 
 def _key_size(leaf) -> int:

@@ -2,6 +2,7 @@
 
     zerojax plan --preset 7b --devices 8 --device-memory 80GB
     zerojax checkpoint info DIR
+    zerojax checkpoint verify DIR [--step N]
     zerojax checkpoint export DIR --dtype bf16 --out model.safetensors
     zerojax config explain ds_config.json
     zerojax launch -n 2 --devices-per-process 4 -- python examples/pretrain_lm.py
@@ -354,6 +355,9 @@ def checkpoint_parser(sub) -> None:
     i.add_argument("directory")
     i.add_argument("--step", type=int, help="default: the latest complete step")
     i.add_argument("--json", action="store_true")
+    v = actions.add_parser("verify", help="every step complete and every array readable")
+    v.add_argument("directory")
+    v.add_argument("--step", type=int, help="default: every step")
     e = actions.add_parser("export", help="consolidated parameters, streamed leaf by leaf")
     e.add_argument("directory")
     e.add_argument("--step", type=int, help="default: the latest complete step")
@@ -364,9 +368,17 @@ def checkpoint_parser(sub) -> None:
 def checkpoint(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from zerojax.config import ZeroError
-    from zerojax.export import export, info
+    from zerojax.export import export, info, verify
 
     try:
+        if args.action == "verify":
+            bad = 0
+            for step, problems in verify(args.directory, step=args.step).items():
+                print(f"step {step}: " + ("ok" if not problems else "BAD"))
+                for problem in problems:
+                    print(f"  {problem}")
+                bad += bool(problems)
+            return 1 if bad else 0
         if args.action == "export":
             done = export(args.directory, args.out, step=args.step, dtype=args.dtype)
             print(

@@ -1,4 +1,5 @@
-"""Consolidated parameters out of a zerojax checkpoint, one leaf at a time, and its summary.
+"""Consolidated parameters out of a zerojax checkpoint, one leaf at a time; its summary; and
+`verify`, every step's arrays read back.
 
 `export` writes the full (unsharded) parameters of one checkpoint step to a `.safetensors`
 file (Hugging Face's format: a JSON header of names, dtypes, shapes and offsets, then raw
@@ -20,7 +21,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import serialization
 
-from zerojax.checkpoint import nest, orbax_manager, saved_step
+from zerojax.checkpoint import nest, orbax_manager
+from zerojax.checkpoint_health import saved_leaves, saved_step, step_problems
 from zerojax.config import ZeroError
 from zerojax.interop import FILE_DTYPES
 
@@ -37,17 +39,6 @@ def _manager(directory):
     )
 
 
-def _leaves(tree, prefix=()):
-    """[(key tuple, metadata)] of a nested metadata dict, in sorted key order."""
-    out = []
-    for k in sorted(tree):
-        if isinstance(tree[k], dict):
-            out += _leaves(tree[k], prefix + (k,))
-        else:
-            out.append((prefix + (k,), tree[k]))
-    return out
-
-
 def _step_and_tree(directory, step):
     mgr = _manager(directory)
     return (mgr, *saved_step(mgr, step))
@@ -58,7 +49,7 @@ def info(directory, step: int | None = None) -> dict:
     bytes and how it was sharded when saved; plus the step's `extra`."""
     mgr, step, tree = _step_and_tree(directory, step)
     leaves = []
-    for keys, meta in _leaves(tree):
+    for keys, meta in saved_leaves(tree):
         sharding = getattr(meta, "sharding", None)
         leaves.append(
             {
@@ -100,6 +91,21 @@ def _read_leaf(path, keys, meta, dtype):
     return np.ascontiguousarray(np.asarray(out).astype(dtype, copy=False))
 
 
+def verify(directory, step: int | None = None) -> dict:
+    """{step: [problems]} for every step in `directory` (or one), each array read back from
+    disk and checked against its saved shape and dtype: empty lists are steps that restore."""
+    mgr = _manager(directory)
+    steps = list(mgr.all_steps()) if step is None else [int(step)]
+    if step is not None and int(step) not in mgr.all_steps():
+        raise ZeroError(f"no step {step} in {directory} (steps there: {list(mgr.all_steps())}).")
+    out = {}
+    for s in steps:
+        path = os.path.join(mgr.directory, str(s), "state")
+        read = lambda keys, meta, path=path: _read_leaf(path, keys, meta, np.dtype(meta.dtype))
+        out[s] = step_problems(mgr.directory, mgr, s, read)
+    return out
+
+
 def export(directory, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
     """Write checkpoint `step`'s parameters (the fp32 master when it has one) to `out`
     (.safetensors or .msgpack) in `dtype` ('fp32', 'bf16' or 'fp16'), leaf by leaf."""
@@ -110,7 +116,7 @@ def export(directory, out: str, step: int | None = None, dtype: str = "fp32") ->
     mgr, step, tree = _step_and_tree(directory, step)
     if "params" not in tree:
         raise ZeroError(f"checkpoint step {step} in {directory} holds no params.")
-    params = _leaves(tree["params"])
+    params = saved_leaves(tree["params"])
     np_dtype = np.dtype(getattr(jnp, EXPORT_DTYPES[dtype]))
     path = os.path.join(mgr.directory, str(step), "state")
     tmp = out + ".partial"  # never leave a half-written file under `out`
