@@ -260,7 +260,7 @@ class CheckpointManager:
             meta = None if keys is None else _lookup(saved, keys)
             if keys is None or meta is None or keys in kept:
                 continue  # derived, a fresh scaler, or (partial) the target's own value
-            shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
+            shape = _stored_shape(leaf)
             request.append((keys, jax.ShapeDtypeStruct(shape, meta.dtype)))
             restore_args.append(
                 (
@@ -375,7 +375,7 @@ def _mismatch(directory, step: int, saved: dict, wanted: list, partial: bool) ->
     missing, reshaped = [], []
     for keys, leaf in want.items():
         meta = _lookup(saved, keys)
-        shape = tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
+        shape = _stored_shape(leaf)
         if meta is None and keys[0] != "zero":  # a fresh loss scaler is fine
             missing.append(keys)
         elif meta is not None and tuple(meta.shape) != shape:
@@ -409,6 +409,11 @@ def _mismatch(directory, step: int, saved: dict, wanted: list, partial: bool) ->
         "concrete target restores the leaves that match and keeps the target's values for "
         "the others (e.g. a new head for fine-tuning)."
     )
+
+
+def _stored_shape(leaf) -> tuple:
+    """The shape a checkpoint stores `leaf` in (a typed PRNG key as its key data)."""
+    return tuple(leaf.shape) + ((_key_size(leaf),) if _is_key(leaf) else ())
 
 
 def _key_size(leaf) -> int:

@@ -92,12 +92,12 @@ class ZeroStep:
             )
             return out
         call, batch, extra = split_call(args)
-        check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
         check_call(call.tree, batch, extra)
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(call.tree)
-        jitted, shardings, batch = self._prepare(call, batch, extra, self._is_micro(micro_index))
+        micro = self._is_micro(micro_index)
+        jitted, shardings, batch = self._prepare(call, batch, extra, micro, args)
         check_placed(call.tree, shardings)
         out = jitted(call.tree, batch, *extra)
         self._warn_if_not_hooked()
@@ -151,8 +151,7 @@ class ZeroStep:
             )
             return traced
         state, batch, extra = split_call(args)
-        check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
-        jitted, _, batch = self._prepare(state, batch, extra, micro)
+        jitted, _, batch = self._prepare(state, batch, extra, micro, args)
         traced = jitted.trace(state.tree, batch, *extra)
         self._warn_if_not_hooked()
         return traced
@@ -174,17 +173,9 @@ class ZeroStep:
 
     def _micro_index(self, tree) -> int:
         cfg = self.zero.config
-        opt = zero_opt_state(tree)
         if not cfg.manages_update:
-            if opt is not None:  # its optax would hand the gradients to nobody: no update
-                raise ZeroError(
-                    "this state holds master weights and buffers from a zero_shard that "
-                    "manages the update (precision, accumulation or clipping), but this "
-                    "zero_shard does not manage it. Decorate the step with the zero that made "
-                    "the state (same precision, gradient_accumulation_steps, "
-                    "gradient_clipping), or create the state with this zero's zero.init."
-                )
             return 0
+        opt = zero_opt_state(tree)
         if opt is None:
             raise ZeroError(
                 "this zero_shard manages the update (precision, accumulation or "
@@ -209,9 +200,10 @@ class ZeroStep:
                 "precision='bf16', or lower min_loss_scale."
             )
 
-    def _prepare(self, state: Boundary, batch, extra, micro: bool):
+    def _prepare(self, state: Boundary, batch, extra, micro: bool, args: tuple):
         """(jitted function, state shardings, placed batch), compiled once per structure,
-        shapes and variant."""
+        shapes and variant; the checks that depend only on those (`args`: the user's call)
+        run then, off the per-call path."""
         tree, objects = state.tree, state.objects
         batch = self.zero.place_batch(batch)
         key = (
@@ -221,6 +213,15 @@ class ZeroStep:
             tuple(np.shape(x) for x in jax.tree_util.tree_leaves((tree, batch))),
         )
         if key not in self._jitted:
+            check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
+            if not self.zero.config.manages_update and zero_opt_state(tree) is not None:
+                raise ZeroError(  # its optax would hand the gradients to nobody: no update
+                    "this state holds master weights and buffers from a zero_shard that "
+                    "manages the update (precision, accumulation or clipping), but this "
+                    "zero_shard does not manage it. Decorate the step with the zero that made "
+                    "the state (same precision, gradient_accumulation_steps, "
+                    "gradient_clipping), or create the state with this zero's zero.init."
+                )
             layout = self.zero.layout(tree)
             shardings = layout.shardings(self.zero.mesh)
             rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
