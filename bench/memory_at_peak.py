@@ -17,6 +17,9 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import markdown_table, write_results  # noqa: E402
+
 N = 8
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={N}"
@@ -101,12 +104,42 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     results = [measure(preset) for preset in args.preset or ["125m", "7b"]]
-    if args.json:
+    if args.json:  # for tests/test_peak.py: printed only, no files written
         print(json.dumps(results))
-    else:
-        for result in results:
-            show(result)
+        return 0
+    for result in results:
+        show(result)
+    write_results("memory_at_peak", results, markdown=table(results))
     return 0
+
+
+def table(results: list) -> str:
+    """BENCHMARKS.md's table: GiB per device at the peak, and what stages 1-2 send."""
+    gib = lambda b: f"{b / 2**30:.3f}"
+    body = []
+    for r in results:
+        rows = r["rows"]
+        body.append(
+            [
+                f"{r['preset']} (Ψ = {r['psi'] / 1e6:,.1f}M)"
+                if r["psi"] < 1e9
+                else f"{r['preset']} (Ψ = {r['psi'] / 1e9:.2f}B)",
+                gib(rows["stage 1"]["peak_bytes"]),
+                gib(rows["stage 2"]["peak_bytes"]),
+                gib(rows["stage 2, reduced after backward"]["peak_bytes"]),
+                gib(rows["stage 3"]["peak_bytes"]),
+                f"{gib(rows['stage 1']['sent_bytes'])}, {gib(rows['stage 2']['sent_bytes'])}",
+            ]
+        )
+    headers = [
+        "preset",
+        "stage 1 peak",
+        "stage 2 peak",
+        "stage 2, gradients reduced after backward",
+        "stage 3 peak",
+        "sent/step stages 1, 2",
+    ]
+    return markdown_table(headers, body)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchlib import markdown_table, write_results
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
@@ -58,10 +60,18 @@ def main(argv=None) -> int:
     print(f"{'optimizer state':<16}{'train loss':>11}{'eval loss':>11}{'at rest MiB':>13}")
     for dtype, r in results.items():
         print(f"{dtype:<16}{r['loss']:>11.4f}{r['eval_loss']:>11.4f}{r['at_rest_mib']:>13.1f}")
-    print(
+    diff = (
         f"bf16 - fp32: train {(b['loss'] - f['loss']) / f['loss']:+.2%}, eval "
         f"{(b['eval_loss'] - f['eval_loss']) / f['eval_loss']:+.2%}"
     )
+    print(diff)
+    body = [
+        [dtype, f"{r['loss']:.4f}", f"{r['eval_loss']:.4f}", f"{r['at_rest_mib']:.1f}"]
+        for dtype, r in results.items()
+    ]
+    headers = ["optimizer state", "train loss", "eval loss", "at rest MiB"]
+    md = markdown_table(headers, body) + f"\n{args.steps} steps. {diff}.\n"
+    write_results("optimizer_state_dtype", results, markdown=md)
     return 0
 
 

@@ -25,7 +25,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from benchlib import write_results  # noqa: E402
+from benchlib import markdown_table, write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
@@ -99,7 +99,27 @@ def main():
         ax.legend()
         return fig
 
-    write_results("peers_comm", {"preset": args.preset, "rows": rows}, draw)
+    write_results("peers_comm", {"preset": args.preset, "rows": rows}, draw, markdown=table(rows))
+
+
+def table(rows: dict) -> str:
+    """BENCHMARKS.md's table: bytes one device sends per step in M = 2Ψ, formulas beside."""
+    f = lambda x: f" ({x:.2f})" if x is not None else ""
+    body = [
+        [
+            name,
+            f"{r['sent_M']:.2f}{f(r['formula_M'])}",
+            f"{r['cross_node_M']:.2f}{f(r['formula_cross_node_M'])}",
+            ", ".join(
+                f"{k} {v['sent_M']:.2f}"
+                for k, v in r["by_collective"].items()
+                if v["sent_M"] >= 0.01
+            ),
+        ]
+        for name, r in rows.items()
+    ]
+    headers = ["variant", "sent (formula)", "cross-node (formula)", "by collective"]
+    return markdown_table(headers, body)
 
 
 if __name__ == "__main__":

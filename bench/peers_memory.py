@@ -28,7 +28,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from benchlib import write_results  # noqa: E402
+from benchlib import markdown_table, write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import lm_units, make_init, train_step  # noqa: E402
@@ -129,7 +129,41 @@ def main():
         axes[0][0].legend()
         return fig
 
-    write_results("peers_memory", rows, draw)
+    write_results("peers_memory", rows, draw, markdown=table(rows))
+
+
+def table(rows: list) -> str:
+    """BENCHMARKS.md's table: MiB per device, ratios to the paper's and DeepSpeed's formulas."""
+    mib = lambda b: f"{b / 2**20:,.2f}"
+    body, seen = [], set()
+    for r in rows:
+        first = r["preset"] not in seen
+        seen.add(r["preset"])
+        preset = f"{r['preset']} ({r['params'] / 1e6:.1f}M)" if first else r["preset"]
+        ds = r["deepspeed"]
+        body.append(
+            [
+                preset,
+                r["contender"],
+                mib(r["at_rest"]),
+                mib(r["peak"]),
+                mib(r["paper"]),
+                f"{r['at_rest_over_paper']:.3f}",
+                mib(ds) if ds else "–",
+                f"{r['at_rest_over_deepspeed']:.3f}" if ds else "–",
+            ]
+        )
+    headers = [
+        "preset",
+        "contender",
+        "at rest",
+        "peak",
+        "paper",
+        "at rest / paper",
+        "DeepSpeed",
+        "at rest / DeepSpeed",
+    ]
+    return markdown_table(headers, body)
 
 
 if __name__ == "__main__":

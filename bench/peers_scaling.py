@@ -18,7 +18,7 @@ import argparse
 import pathlib
 import sys
 
-from benchlib import run_with_devices, write_results
+from benchlib import markdown_table, run_with_devices, write_results
 
 ROOT = pathlib.Path(__file__).parent.parent
 PRESETS = ["7b", "1.3b", "350m", "125m", "small", "tiny"]  # largest first
@@ -130,7 +130,35 @@ def main():
         b.legend()
         return fig
 
-    write_results("peers_scaling", {"budget": args.budget, "rows": rows}, draw)
+    body = []
+    for r in rows:
+        fit = lambda k, r=r: (
+            f"{r['fits'][k]['preset']} ({r['fits'][k]['peak_bound_bytes'] / 2**30:.1f} GiB)"
+            if k in r["fits"]
+            else "none"
+        )
+        body.append(
+            [
+                r["n"],
+                f"{r['peak_bytes'] / 2**20:,.2f}",
+                f"{r['step_s']:.3f}",
+                fit("none"),
+                fit("offload"),
+            ]
+        )
+    headers = [
+        "N",
+        "peak per device, MiB",
+        "s/step",
+        "largest fitting, no offload",
+        "largest fitting, optimizer offloaded",
+    ]
+    write_results(
+        "peers_scaling",
+        {"budget": args.budget, "rows": rows},
+        draw,
+        markdown=markdown_table(headers, body),
+    )
 
 
 if __name__ == "__main__":

@@ -1,171 +1,223 @@
-"""Speed against the peers, in ONE run on this machine: tokens/s of the same LM (4 layers,
-d_model 256, 4 heads, SwiGLU 688, vocab 256, untied head, seq 128, global batch 64, fp32 AdamW)
-trained by zerojax stages 0 and 3 on 8 simulated devices, by a hand-written `jax.jit` FSDP
-(zerojax stage 3 placement with explicit_collectives=False: XLA places the collectives), and
-by PyTorch DDP and FSDP2 on 8 gloo processes (`bench/torch_lm.py`).
+"""Speed against the peers, in ONE run on this machine: the same LM (4 layers, d_model 256, 4
+heads, SwiGLU 688, vocab 256, untied head, seq 128, global batch 64, fp32 AdamW) trained by
+zerojax stages 0-3 (8 devices in one process, and 8 processes x 1 device through `zerojax
+launch`; stage 3 also with `unit_buffers=True`, one collective per unit each way), PyTorch
+DDP, FSDP2 (ZeRO-3-like and ZeRO-2-like) and DeepSpeed ZeRO-1/2/3 (8 gloo processes,
+bench/torch_lm.py), and each framework's one-device time at the same global batch
+(a plain `jax.jit` step; one PyTorch process; one DeepSpeed process), all with the
+benchmark-only installs of bench/torch_lm.py's docstring:
 
-    pip install torch==2.13.0        # the CPU build; a benchmark tool, never a zerojax dependency
-    python bench/peers_speed.py [--rounds 3] [--steps 10]
+    python bench/peers_speed.py [--rounds 3] [--steps 6]
 
-Contenders alternate, round after round, each a fresh process timing --steps steps after 3
+Contenders alternate, round after round, each a fresh process timing --steps steps after 2
 warm-up steps; a contender's figure is the median over rounds of its per-round median step
-time, with the spread (min..max of the round medians). Ratios are zerojax / contender in
-tokens/s. Writes bench/results/peers_speed.json and .png.
+time, with the spread (min..max of the round medians). Scaling efficiency = the framework's
+one-device step time / its 8-device step time (the same global batch, so 8 would be perfect on
+8 free devices; this machine has 2 cores). Collectives per step: zerojax's counted in its
+compiled HLO (bytes one device sends); the peers' from the ZeRO paper's formula (Psi fp32
+parameters, ring factor 7/8). Writes bench/results/peers_speed.json, .md and .png.
 """
 
 import argparse
-import json
 import pathlib
 import statistics
-import subprocess
 import sys
 
-from benchlib import run_with_devices, write_results
+from benchlib import markdown_table, run_json, write_results
 
-TORCH_LM = str(pathlib.Path(__file__).parent / "torch_lm.py")
+BENCH = pathlib.Path(__file__).parent
+PY = sys.executable
+ZEROJAX = str(pathlib.Path(PY).parent / "zerojax")  # the launcher installed beside it
+EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+DS = {"DS_ACCELERATOR": "cpu"}
 SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
-JAX = {
-    "zerojax stage 0": dict(stage=0),
-    "zerojax stage 3": dict(stage=3),
-    "jit FSDP": dict(stage=3, explicit_collectives=False),
-}
-TORCH = {"PyTorch DDP": "ddp", "PyTorch FSDP2": "fsdp2"}
 
 
-def jax_worker(options: dict, steps: int) -> dict:
-    """Runs in a fresh process with 8 simulated devices: median step seconds of zerojax."""
-    import time
+def torchrun(procs: int, *args) -> list:
+    launcher = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    return [*launcher, str(BENCH / "torch_lm.py"), *args]
 
-    import jax
-    import numpy as np
-    import optax
 
-    import zerojax as zj
-    from zerojax.models.gpt import lm_units, make_init, train_step
-    from zerojax.models.lm import LM, LMConfig
-
-    cfg = LMConfig(
-        vocab=SHAPE["vocab"],
-        d_model=SHAPE["d_model"],
-        n_layers=SHAPE["layers"],
-        n_heads=SHAPE["heads"],
-        d_ff=SHAPE["ffn"],
-        seq_len=SHAPE["seq"],
-        tie_embeddings=False,
+def contenders() -> dict:
+    """name -> (family, command, environment, role); role is 'one device' or '8 devices'."""
+    jax_lm = [PY, str(BENCH / "jax_lm.py")]
+    out = {"JAX, one device (jax.jit)": ("zerojax", [*jax_lm, "--plain-jit"], {}, "one device")}
+    whole = ["--batch-per-rank", str(SHAPE["batch"]), "--threads", "2"]
+    out["PyTorch, one process"] = (
+        "PyTorch",
+        [PY, str(BENCH / "torch_lm.py"), "--mode", "single", *whole],
+        {},
+        "one device",
     )
-    zero = zj.zero_shard(units=lm_units(cfg), **options)
-    state = zero.init(make_init(LM(cfg), optax.adamw(1e-3)), jax.random.key(0))
-    step = zero(train_step)
-    rng = np.random.default_rng(0)
-    times = []
-    for i in range(3 + steps):
-        batch = rng.integers(0, cfg.vocab, (SHAPE["batch"], cfg.seq_len + 1), dtype=np.int32)
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics["loss"])
-        if i >= 3:
-            times.append(time.perf_counter() - t0)
-    return {
-        "step_s_median": statistics.median(times),
-        "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
-    }
+    ds_one = torchrun(1, "--mode", "deepspeed", "--zero-stage", "0", *whole)
+    out["DeepSpeed, one process"] = ("DeepSpeed", ds_one, DS, "one device")
+    for stage in range(4):
+        args = ["--stage", str(stage)]
+        out[f"zerojax stage {stage}, 1 x 8"] = ("zerojax", [*jax_lm, *args], EIGHT, "8 devices")
+        launched = [ZEROJAX, "launch", "-n", "8", "--", *jax_lm, *args]
+        out[f"zerojax stage {stage}, 8 x 1"] = ("zerojax", launched, {}, "8 devices")
+    buffers = ["--stage", "3", "--unit-buffers"]  # one collective per unit each way
+    out["zerojax stage 3 unit_buffers, 1 x 8"] = (
+        "zerojax",
+        [*jax_lm, *buffers],
+        EIGHT,
+        "8 devices",
+    )
+    launched = [ZEROJAX, "launch", "-n", "8", "--", *jax_lm, *buffers]
+    out["zerojax stage 3 unit_buffers, 8 x 1"] = ("zerojax", launched, {}, "8 devices")
+    for mode, name in (
+        ("ddp", "DDP"),
+        ("fsdp2", "FSDP2 (ZeRO-3-like)"),
+        ("fsdp2-zero2", "FSDP2 (ZeRO-2-like)"),
+    ):
+        out[f"PyTorch {name}"] = ("PyTorch", torchrun(8, "--mode", mode), {}, "8 devices")
+    for stage in (1, 2, 3):
+        cmd = torchrun(8, "--mode", "deepspeed", "--zero-stage", str(stage))
+        out[f"DeepSpeed ZeRO-{stage}"] = ("DeepSpeed", cmd, DS, "8 devices")
+    return out
 
 
-def run_jax(options: dict, steps: int) -> dict:
-    return run_with_devices(8, "peers_speed", f"jax_worker({options!r}, {steps})", timeout=900)
+def formula_traffic(name: str, params: int) -> str:
+    """The peers' bytes one device sends per step (ZeRO paper: 2 x 4 Psi x 7/8 for DDP and
+    ZeRO-1/2, 3 x for ZeRO-3), in MiB."""
+    copies = 3 if ("ZeRO-3" in name) else 2
+    return f"{copies * 4 * params * 7 / 8 / 2**20:.1f} (formula)"
 
 
-def run_torch(mode: str, steps: int) -> dict:
-    args = [
-        sys.executable,  # torchrun of this interpreter, on PATH or not
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "8",
-        TORCH_LM,
-        "--mode",
-        mode,
-        "--layers",
-        str(SHAPE["layers"]),
-        "--d-model",
-        str(SHAPE["d_model"]),
-        "--heads",
-        str(SHAPE["heads"]),
-        "--ffn",
-        str(SHAPE["ffn"]),
-        "--vocab",
-        str(SHAPE["vocab"]),
-        "--seq",
-        str(SHAPE["seq"]),
-        "--batch-per-rank",
-        str(SHAPE["batch"] // 8),
-        "--steps",
-        str(steps),
-        "--warmup",
-        "3",
-    ]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if not lines:  # (torchrun may abort at gloo shutdown after printing: that is fine)
-        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
-    return json.loads(lines[-1])
+def hlo_traffic(collectives: dict) -> str:
+    counts = ", ".join(f"{row['count']} {kind}" for kind, row in sorted(collectives.items()))
+    total = sum(row["sent_bytes"] for row in collectives.values())
+    return f"{total / 2**20:.1f} ({counts})"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
-    medians = {name: [] for name in [*JAX, *TORCH]}
-    params = {}
+    table = contenders()
+    rounds = {name: [] for name in table}
+    results = {}
     for r in range(args.rounds):
-        for name in medians:
-            res = (
-                run_jax(JAX[name], args.steps)
-                if name in JAX
-                else run_torch(TORCH[name], args.steps)
-            )
-            medians[name].append(res["step_s_median"])
-            params[name] = res["params"]
-            print(f"round {r + 1}: {name:<18} {res['step_s_median']:.3f} s/step", flush=True)
+        for name, (_, cmd, env, _) in table.items():
+            extra = ["--steps", str(args.steps), "--warmup", "2"]
+            if r == 0 and name.startswith("zerojax") and "1 x 8" in name:
+                extra.append("--collectives")  # counted once: the program is the same each round
+            res = run_json([*cmd, *extra], env)
+            results.setdefault(name, {}).update(res)
+            rounds[name].append(res["step_s_median"])
+            print(f"round {r + 1}: {name:<28} {res['step_s_median']:.3f} s/step", flush=True)
     tokens = SHAPE["batch"] * SHAPE["seq"]
+    base = {
+        family: statistics.median(rounds[name])
+        for name, (family, _, _, role) in table.items()
+        if role == "one device"
+    }
     rows = {}
-    for name, times in medians.items():
-        med = statistics.median(times)
+    for name, (family, _, _, role) in table.items():
+        med = statistics.median(rounds[name])
         rows[name] = {
+            "family": family,
+            "role": role,
             "step_s": med,
-            "step_s_min": min(times),
-            "step_s_max": max(times),
+            "step_s_min": min(rounds[name]),
+            "step_s_max": max(rounds[name]),
+            "rounds": rounds[name],
             "tokens_per_s": tokens / med,
-            "params": params[name],
-            "rounds": times,
+            "scaling_efficiency": base[family] / med,
+            "params": results[name]["params"],
         }
-    ours = rows["zerojax stage 3"]
-    print(
-        f"\nsame LM ({params['zerojax stage 3']:,} params), global batch {SHAPE['batch']} x "
-        f"{SHAPE['seq']}, fp32 AdamW, 8 devices / processes on this machine"
+        if "collectives" in results[name]:
+            rows[name]["collectives"] = results[name]["collectives"]
+    for name in rows:  # one program in both layouts
+        if name.endswith("8 x 1"):
+            rows[name]["collectives"] = rows[name.replace("8 x 1", "1 x 8")].get("collectives")
+    verdict = targets(rows)
+    md = render(rows, verdict, args)
+    print("\n" + md)
+    write_results(
+        "peers_speed",
+        {"shape": SHAPE, "rows": rows, "targets": verdict},
+        draw=chart(rows, tokens),
+        markdown=md,
     )
-    print(
-        f"{'contender':<18}{'s/step':>9}{'spread':>17}{'tokens/s':>10}{'zerojax stage 3 / it':>22}"
-    )
-    for name, row in rows.items():
-        row["stage3_ratio"] = ours["tokens_per_s"] / row["tokens_per_s"]
-        # spread of the ratio from the extremes of both contenders' round medians
-        row["stage3_ratio_range"] = (
-            min(row["rounds"]) / max(ours["rounds"]),
-            max(row["rounds"]) / min(ours["rounds"]),
-        )
-        print(
-            f"{name:<18}{row['step_s']:9.3f}{row['step_s_min']:8.3f}..{row['step_s_max']:<7.3f}"
-            f"{row['tokens_per_s']:10.0f}{row['stage3_ratio']:14.2f} "
-            f"({row['stage3_ratio_range'][0]:.2f}..{row['stage3_ratio_range'][1]:.2f})"
-        )
-    s3_s0 = ours["step_s"] / rows["zerojax stage 0"]["step_s"]
-    print(f"zerojax stage 3 / stage 0 step time: {s3_s0:.2f} (target <= 1.3)")
 
+
+def targets(rows: dict) -> dict:
+    """Issue targets: zerojax stage 3 (its faster layout) against the best peer ZeRO-3."""
+    ours = max(
+        (rows[f"zerojax stage 3, {lay}"] for lay in ("1 x 8", "8 x 1")),
+        key=lambda r: r["tokens_per_s"],
+    )
+    peers = {
+        n: r for n, r in rows.items() if n in ("PyTorch FSDP2 (ZeRO-3-like)", "DeepSpeed ZeRO-3")
+    }
+    best_eff = max(peers, key=lambda n: peers[n]["scaling_efficiency"])
+    best_tps = max(peers, key=lambda n: peers[n]["tokens_per_s"])
+    eff = ours["scaling_efficiency"] / peers[best_eff]["scaling_efficiency"]
+    tps = ours["tokens_per_s"] / peers[best_tps]["tokens_per_s"]
+    return {
+        "scaling_efficiency_ratio": eff,
+        "scaling_efficiency_peer": best_eff,
+        "scaling_efficiency_met": eff >= 1.3,
+        "tokens_per_s_ratio": tps,
+        "tokens_per_s_peer": best_tps,
+        "tokens_per_s_met": tps >= 1.0,
+    }
+
+
+def render(rows: dict, verdict: dict, args) -> str:
+    zj3 = max(("1 x 8", "8 x 1"), key=lambda lay: rows[f"zerojax stage 3, {lay}"]["tokens_per_s"])
+    ours = rows[f"zerojax stage 3, {zj3}"]
+    body = []
+    for name, row in rows.items():
+        traffic = (
+            "–"
+            if row["role"] == "one device"
+            else (
+                hlo_traffic(row["collectives"])
+                if row.get("collectives")
+                else formula_traffic(name, row["params"])
+            )
+        )
+        body.append(
+            [
+                name,
+                f"{row['step_s']:.3f}",
+                f"{row['step_s_min']:.3f}–{row['step_s_max']:.3f}",
+                f"{row['tokens_per_s']:,.0f}",
+                "1 (baseline)"
+                if row["role"] == "one device"
+                else f"{row['scaling_efficiency']:.2f}",
+                f"{ours['tokens_per_s'] / row['tokens_per_s']:.2f}",
+                traffic,
+            ]
+        )
+    headers = [
+        "contender",
+        "s/step",
+        "spread",
+        "tokens/s",
+        "scaling efficiency",
+        f"zerojax stage 3 ({zj3}) / it",
+        "sent per step, MiB (collectives)",
+    ]
+    v = verdict
+    lines = [
+        markdown_table(headers, body),
+        f"{args.rounds} rounds x {args.steps} steps. Targets, zerojax stage 3 ({zj3}) against the "
+        f"best peer ZeRO-3: scaling efficiency {v['scaling_efficiency_ratio']:.2f}x "
+        f"{v['scaling_efficiency_peer']}'s (target >= 1.3: "
+        f"{'met' if v['scaling_efficiency_met'] else 'missed'}); tokens/s "
+        f"{v['tokens_per_s_ratio']:.2f}x {v['tokens_per_s_peer']}'s (target >= 1.0: "
+        f"{'met' if v['tokens_per_s_met'] else 'missed'}).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: dict, tokens: int):
     def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 3.5))
+        fig, ax = plt.subplots(figsize=(8, 5))
         names = list(rows)
         ax.barh(
             names,
@@ -175,13 +227,12 @@ def main():
                 [tokens / rows[n]["step_s_min"] - rows[n]["tokens_per_s"] for n in names],
             ],
         )
+        ax.invert_yaxis()
         ax.set_xlabel("tokens/s (median of round medians; bars: spread)")
-        ax.set_title("same LM, 8 devices/processes, one CPU machine")
+        ax.set_title("same LM and global batch, one CPU machine (2 cores)")
         return fig
 
-    write_results(
-        "peers_speed", {"shape": SHAPE, "rows": rows, "stage3_over_stage0_step_time": s3_s0}, draw
-    )
+    return draw
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from benchlib import write_results  # noqa: E402
+from benchlib import markdown_table, write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
@@ -75,7 +75,24 @@ def main(argv=None) -> int:
             f"{stage:>5} {str(recompute):>10} {run['peak'] / 2**20:9.2f} {t:7.3f} "
             f"{min(run['times']):6.3f}-{max(run['times']):.3f} {t / base:6.2f}"
         )
-    write_results("recompute_units", rows)
+    body = [
+        [
+            r["stage"],
+            r["recompute_units"],
+            f"{r['peak_bytes'] / 2**20:.2f}",
+            f"{r['seconds_per_step']:.3f} ({r['spread'][0]:.3f}-{r['spread'][1]:.3f})",
+            f"{r['time_vs_recompute']:.2f}",
+        ]
+        for r in rows
+    ]
+    headers = [
+        "stage",
+        "recompute_units",
+        "compiled peak MiB",
+        "s/step (spread)",
+        "time vs recompute",
+    ]
+    write_results("recompute_units", rows, markdown=markdown_table(headers, body))
     return 0
 
 

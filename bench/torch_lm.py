@@ -1,9 +1,17 @@
-"""The peer contender of bench/peers_speed.py: the same decoder-only LM as zerojax's example
-(RMSNorm, causal attention with rotary embeddings, SwiGLU, untied head, no biases) trained with
-PyTorch DDP or FSDP2 on CPU (gloo). A benchmark tool only: zerojax never imports it.
+"""The peer contenders of bench/peers_speed.py: the same decoder-only LM as zerojax's example
+(RMSNorm, causal attention with rotary embeddings, SwiGLU, untied head, no biases) trained on
+CPU by one PyTorch process, PyTorch DDP, FSDP2 (parameters resharded after forward, ZeRO-3-like,
+or kept, ZeRO-2-like) or DeepSpeed ZeRO 0-3 (its CPU accelerator, gloo). fp32 AdamW for all.
+A benchmark tool only: zerojax never imports it, and torch / deepspeed are never zerojax
+dependencies.
 
     pip install torch==2.13.0
+    DS_BUILD_OPS=0 pip install --no-deps deepspeed==0.19.8
+    pip install einops hjson msgpack ninja py-cpuinfo 'pydantic>=2' tqdm psutil
+    python bench/torch_lm.py --mode single --batch-per-rank 64 --steps 10
     torchrun --standalone --nproc_per_node 8 bench/torch_lm.py --mode fsdp2 --steps 10
+    DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 8 bench/torch_lm.py \
+        --mode deepspeed --zero-stage 3 --steps 10
 
 Batches are random tokens from a generator seeded per (rank, step). Rank 0 prints one JSON line:
 params, median/min/max step seconds after --warmup steps, first and last loss.
@@ -63,18 +71,80 @@ class LM(nn.Module):
 
 
 def wrap(model: LM, mode: str) -> nn.Module:
+    """DDP, or FSDP2 applied as torchtitan does: each layer, then the root. `fsdp2` reshards
+    the parameters after forward (gathers them again in backward, ZeRO-3's traffic); `fsdp2-zero2`
+    keeps them gathered from forward to backward (ZeRO-2-like memory and traffic)."""
     if mode == "ddp":
         return nn.parallel.DistributedDataParallel(model)
-    from torch.distributed.fsdp import fully_shard  # FSDP2: each layer, then the root
+    from torch.distributed.fsdp import fully_shard
 
+    reshard = mode == "fsdp2"
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=True)
-    return fully_shard(model, reshard_after_forward=True)
+        fully_shard(layer, reshard_after_forward=reshard)
+    return fully_shard(model, reshard_after_forward=reshard)
+
+
+def deepspeed_engine(model: LM, stage: int, batch_per_rank: int):
+    """DeepSpeed's engine at ZeRO `stage` over torch's AdamW (fp32; DeepSpeed's own fused Adam
+    needs compiled ops, which a CPU benchmark install does not build)."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {
+        "train_micro_batch_size_per_gpu": batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def step_fn(mode: str, model: LM, batch_per_rank: int, zero_stage: int):
+    """One training step of `mode` as a function of the tokens; returns the loss."""
+    if mode == "deepspeed":
+        engine = deepspeed_engine(model, zero_stage, batch_per_rank)
+
+        def ds_step(tokens):
+            loss = lm_loss(engine, tokens)
+            engine.backward(loss)
+            engine.step()
+            return loss
+
+        return ds_step
+    if mode != "single":
+        model = wrap(model, mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def torch_step(tokens):
+        loss = lm_loss(model, tokens)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return torch_step
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", choices=["ddp", "fsdp2"], default="fsdp2")
+    p.add_argument(
+        "--mode", choices=["single", "ddp", "fsdp2", "fsdp2-zero2", "deepspeed"], default="fsdp2"
+    )
+    p.add_argument("--zero-stage", type=int, default=3, help="DeepSpeed's ZeRO stage")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="intra-op threads (0: 1 per rank, torch's default for --mode single)",
+    )
     for name, default in (("layers", 4), ("d-model", 256), ("heads", 4), ("ffn", 688)):
         p.add_argument(f"--{name}", type=int, default=default)
     for name, default in (("vocab", 256), ("seq", 128), ("batch-per-rank", 8)):
@@ -82,32 +152,32 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.set_num_threads(1)
+    single = args.mode == "single"
+    if not single and args.mode != "deepspeed":
+        dist.init_process_group("gloo")
+    if args.threads or not single:
+        torch.set_num_threads(args.threads or 1)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = LM(args.vocab, args.d_model, args.layers, args.heads, args.ffn)
     params = sum(x.numel() for x in model.parameters())
-    model = wrap(model, args.mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = step_fn(args.mode, model, args.batch_per_rank, args.zero_stage)
+    rank = 0 if single else dist.get_rank()
     times, losses = [], []
-    for step in range(args.warmup + args.steps):
-        gen = torch.Generator().manual_seed(1000 * step + rank)
+    for i in range(args.warmup + args.steps):
+        gen = torch.Generator().manual_seed(1000 * i + rank)
         tokens = torch.randint(0, args.vocab, (args.batch_per_rank, args.seq + 1), generator=gen)
         start = time.perf_counter()
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        loss = step(tokens)
         losses.append(loss.item())
-        if step >= args.warmup:
+        if i >= args.warmup:
             times.append(time.perf_counter() - start)
     if rank == 0:
         print(
             json.dumps(
                 {
                     "mode": args.mode,
+                    "zero_stage": args.zero_stage if args.mode == "deepspeed" else None,
+                    "threads": torch.get_num_threads(),
                     "params": params,
                     "step_s_median": statistics.median(times),
                     "step_s_min": min(times),
@@ -118,7 +188,8 @@ def main():
             ),
             flush=True,
         )
-    dist.destroy_process_group()
+    if not single:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ parameters no unit holds (embedding, final norm), gathered once at the start of 
     python bench/unit_collectives.py          # writes bench/results/unit_collectives.json
 """
 
-import json
 import os
-import pathlib
 import sys
 
 os.environ["XLA_FLAGS"] = (
@@ -22,6 +20,7 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from benchlib import markdown_table, write_results  # noqa: E402
 
 import zerojax as zj  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
@@ -61,9 +60,31 @@ def main():
                 f"{name:>16} {buffers!s:>12} {runs:>10} {ag:>10} {rs:>14} {ag / runs:>8.2f} "
                 f"{rs / runs:>8.2f} {rep.peak_bytes / 2**20:>9.2f}"
             )
-    out = pathlib.Path(__file__).parent / "results" / "unit_collectives.json"
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    body = []
+    for key, r in results.items():
+        name, buffers = key.split("/unit_buffers=")
+        runs, ag, rs = r["units_per_step"], r["all_gathers"], r["reduce_scatters"]
+        body.append(
+            [
+                name,
+                buffers,
+                runs,
+                ag,
+                rs,
+                f"{ag / runs:.1f} AG, {rs / runs:.1f} RS",
+                f"{r['peak_bytes'] / 2**20:.2f}",
+            ]
+        )
+    headers = [
+        "units",
+        "unit_buffers",
+        "units/step",
+        "all-gathers",
+        "reduce-scatters",
+        "per unit",
+        "peak MiB",
+    ]
+    write_results("unit_collectives", results, markdown=markdown_table(headers, body))
 
 
 if __name__ == "__main__":
