@@ -36,6 +36,7 @@ QUICK_MODULES = {
     "test_errors",
     "test_xla_flags",
     "test_architecture",
+    "test_docs",
 }
 QUICK_TESTS = (
     "test_parity.py::test_stage_matches_single_device_adamw[3-8]",

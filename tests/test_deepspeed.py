@@ -287,16 +287,3 @@ def test_one_mutation_of_a_preset_is_named(path, how, data):
         assert name in str(e) or key in str(e), (config, str(e))
     else:
         assert how == "replace", f"renamed key {name!r} was accepted: {config}"
-
-
-def test_readme_table_lists_every_key():
-    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    for prefix, table in (
-        ("", ds.TOP_LEVEL),
-        ("zero_optimization.", ds.ZERO_OPTIMIZATION),
-        ("zero_optimization.offload_*.", ds.OFFLOAD),
-        ("fp16.", ds.FP16),
-        ("bf16.", ds.BF16),
-    ):
-        for key, entry in table.items():
-            assert f"| `{prefix}{key}` | {entry.kind} |" in readme, prefix + key

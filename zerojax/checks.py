@@ -1,7 +1,7 @@
 """The checks of a user's call, made before anything is traced: a step called on what is not
 a state placed by its zero, with arguments its function cannot take, or inside another
 transformation; `zero.init` given a state or arguments its function does not take. Each fails
-with a ZeroError that says what to write instead (README "When something is wrong")."""
+with a ZeroError that says what to write instead (docs/errors.md)."""
 
 from __future__ import annotations
 

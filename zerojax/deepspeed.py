@@ -304,8 +304,12 @@ TOP_LEVEL = {
     "zero_allow_untested_optimizer": _ignored("every optax optimizer is supported"),
     "prescale_gradients": _ignored("gradients are summed in fp32 by default, then averaged"),
     "gradient_predivide_factor": _ignored("gradients are summed in fp32 by default, then averaged"),
-    "optimizer": Key(ACTS, "read by zj.optimizer_from_config (its keys: below)"),
-    "scheduler": Key(ACTS, "read by zj.optimizer_from_config (its keys: below)"),
+    "optimizer": Key(
+        ACTS, "read by zj.optimizer_from_config (zerojax config explain lists its keys)"
+    ),
+    "scheduler": Key(
+        ACTS, "read by zj.optimizer_from_config (zerojax config explain lists its keys)"
+    ),
     "amp": _off_only("apex AMP is not supported; use the bf16 or fp16 block"),
 }
 
