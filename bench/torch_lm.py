@@ -7,7 +7,7 @@ dependencies.
 
     pip install torch==2.13.0
     DS_BUILD_OPS=0 pip install --no-deps deepspeed==0.19.8
-    pip install einops hjson msgpack ninja py-cpuinfo 'pydantic>=2' tqdm psutil
+    pip install einops hjson msgpack ninja packaging py-cpuinfo 'pydantic>=2' tqdm psutil
     python bench/torch_lm.py --mode single --batch-per-rank 64 --steps 10
     torchrun --standalone --nproc_per_node 8 bench/torch_lm.py --mode fsdp2 --steps 10
     DS_ACCELERATOR=cpu torchrun --standalone --nproc_per_node 8 bench/torch_lm.py \
