@@ -23,6 +23,21 @@ import time
 SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
 
 
+def lm_config():
+    """zerojax's example LM at SHAPE, with an untied head like bench/torch_lm.py's."""
+    from zerojax.models.lm import LMConfig
+
+    return LMConfig(
+        vocab=SHAPE["vocab"],
+        d_model=SHAPE["d_model"],
+        n_layers=SHAPE["layers"],
+        n_heads=SHAPE["heads"],
+        d_ff=SHAPE["ffn"],
+        seq_len=SHAPE["seq"],
+        tie_embeddings=False,
+    )
+
+
 def collectives(zero, step, state, batch) -> dict:
     """Collectives of the compiled step, by kind: count and bytes one device sends."""
     by_kind: dict = {}
@@ -53,17 +68,9 @@ def main() -> int:
 
     import zerojax as zj
     from zerojax.models.gpt import lm_units, make_init, train_step
-    from zerojax.models.lm import LM, LMConfig
+    from zerojax.models.lm import LM
 
-    cfg = LMConfig(
-        vocab=SHAPE["vocab"],
-        d_model=SHAPE["d_model"],
-        n_layers=SHAPE["layers"],
-        n_heads=SHAPE["heads"],
-        d_ff=SHAPE["ffn"],
-        seq_len=SHAPE["seq"],
-        tie_embeddings=False,
-    )
+    cfg = lm_config()
     init_fn = make_init(LM(cfg), optax.adamw(1e-3))
     zero = None
     if args.plain_jit:

@@ -36,20 +36,12 @@ def worker(n: int, budget: int) -> dict:
 
     import zerojax as zj
     from zerojax.models.gpt import make_init, train_step
-    from zerojax.models.lm import LM, LM_PRESETS, LMConfig, param_count
+    from zerojax.models.lm import LM, LM_PRESETS, param_count
 
     sys.path.insert(0, str(ROOT / "bench"))
-    from peers_speed import SHAPE
+    from jax_lm import SHAPE, lm_config
 
-    cfg = LMConfig(
-        vocab=SHAPE["vocab"],
-        d_model=SHAPE["d_model"],
-        n_layers=SHAPE["layers"],
-        n_heads=SHAPE["heads"],
-        d_ff=SHAPE["ffn"],
-        seq_len=SHAPE["seq"],
-        tie_embeddings=False,
-    )
+    cfg = lm_config()
     zero = zj.zero_shard(stage=3)
     init_fn = make_init(LM(cfg), optax.adamw(1e-3))
     state, step = zero.init(init_fn, jax.random.key(0)), zero(train_step)

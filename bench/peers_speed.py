@@ -24,13 +24,13 @@ import statistics
 import sys
 
 from benchlib import markdown_table, run_json, write_results
+from jax_lm import SHAPE
 
 BENCH = pathlib.Path(__file__).parent
 PY = sys.executable
 ZEROJAX = str(pathlib.Path(PY).parent / "zerojax")  # the launcher installed beside it
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 DS = {"DS_ACCELERATOR": "cpu"}
-SHAPE = dict(layers=4, d_model=256, heads=4, ffn=688, vocab=256, seq=128, batch=64)
 
 
 def torchrun(procs: int, *args) -> list:
