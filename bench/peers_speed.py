@@ -19,6 +19,7 @@ parameters, ring factor 7/8). Writes bench/results/peers_speed.json, .md and .pn
 """
 
 import argparse
+import os
 import pathlib
 import statistics
 import sys
@@ -42,7 +43,7 @@ def contenders() -> dict:
     """name -> (family, command, environment, role); role is 'one device' or '8 devices'."""
     jax_lm = [PY, str(BENCH / "jax_lm.py")]
     out = {"JAX, one device (jax.jit)": ("zerojax", [*jax_lm, "--plain-jit"], {}, "one device")}
-    whole = ["--batch-per-rank", str(SHAPE["batch"]), "--threads", "2"]
+    whole = ["--batch-per-rank", str(SHAPE["batch"]), "--threads", str(os.cpu_count())]
     out["PyTorch, one process"] = (
         "PyTorch",
         [PY, str(BENCH / "torch_lm.py"), "--mode", "single", *whole],
