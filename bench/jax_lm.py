@@ -52,12 +52,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--plain-jit", action="store_true", help="one device, a plain jax.jit step")
-    p.add_argument("--jit-fsdp", action="store_true", help="stage 3 with XLA's placement")
+    p.add_argument("--jit-fsdp", action="store_true", help="--stage with XLA's placement")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--unit-buffers", action="store_true", help="zerojax's unit_buffers=True")
     p.add_argument("--collectives", action="store_true", help="also count the HLO collectives")
     args = p.parse_args()
+    if args.plain_jit and (args.jit_fsdp or args.unit_buffers or args.collectives):
+        p.error("--plain-jit is one device without zerojax: it takes no zerojax option")
 
     from zerojax.launch import initialize
 

@@ -138,7 +138,7 @@ def main():
     p.add_argument(
         "--mode", choices=["single", "ddp", "fsdp2", "fsdp2-zero2", "deepspeed"], default="fsdp2"
     )
-    p.add_argument("--zero-stage", type=int, default=3, help="DeepSpeed's ZeRO stage")
+    p.add_argument("--zero-stage", type=int, choices=range(4), help="DeepSpeed's ZeRO stage")
     p.add_argument(
         "--threads",
         type=int,
@@ -152,6 +152,8 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
+    if (args.zero_stage is None) == (args.mode == "deepspeed"):
+        p.error("--zero-stage is required with --mode deepspeed and taken by no other mode")
     single = args.mode == "single"
     if not single and args.mode != "deepspeed":
         dist.init_process_group("gloo")
@@ -176,7 +178,7 @@ def main():
             json.dumps(
                 {
                     "mode": args.mode,
-                    "zero_stage": args.zero_stage if args.mode == "deepspeed" else None,
+                    "zero_stage": args.zero_stage,
                     "threads": torch.get_num_threads(),
                     "params": params,
                     "step_s_median": statistics.median(times),

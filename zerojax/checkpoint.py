@@ -383,10 +383,8 @@ def _mismatch(directory, step: int, saved: dict, wanted: list, partial: bool) ->
     unexpected = [k for k, _ in saved_leaves(saved) if k not in want and k[0] != "zero"]
     if not (missing or reshaped or unexpected):
         return set()
-    if partial and (missing or reshaped):
-        return {k for k in missing} | {k for k, *_ in reshaped}
-    if partial:
-        return set()
+    if partial:  # unexpected leaves are simply not read
+        return set(missing) | {k for k, *_ in reshaped}
     name = lambda keys: "/".join(keys)
     few = lambda items: (
         ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
