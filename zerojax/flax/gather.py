@@ -95,8 +95,8 @@ def current_context() -> GatherContext | None:
     return None if _INSIDE.get() else _CONTEXT.get()
 
 
-def gather_unit(module, args, kwargs):
-    """Run the bound Linen `module`'s `__call__` as a stage-3 unit (see the module docstring):
+def gather_unit(module, method: str, args, kwargs):
+    """Run the bound Linen `module`'s `method` as a stage-3 unit (see the module docstring):
     its parameters enter as this device's shards, are gathered only while it runs and their
     gradients are reduce-scattered as soon as backward leaves it. It reads the module's other
     collections, draws from the module's own RNG streams (Flax's lazy keys: its submodules
@@ -112,7 +112,7 @@ def gather_unit(module, args, kwargs):
         # called: its submodules draw the keys they would bound, the same ones every run
         root.rng_counters = _copy_counters(counters)
         with root.temporary() as bound:
-            out = plain.clone(parent=bound, _deep_clone=True)(*a, **k)
+            out = getattr(plain.clone(parent=bound, _deep_clone=True), method)(*a, **k)
             written = bound.mutable_variables() if mutable is not False else {}
         after.append(root.rng_counters)
         return out, written

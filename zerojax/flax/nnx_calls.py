@@ -2,23 +2,25 @@
 
 Linen has a method interceptor; NNX has none. So inside a zerojax step each module object of
 the step's freshly merged copy of the user's objects gets a subclass of its own class, made
-once per (class, path), whose `__call__` routes the call (`route`). `nnx.split` and `nnx.merge`
-carry a node's type, so the copies that `nnx.value_and_grad`, `nnx.scan` or the per-device
-model make keep it. A routed call of an object the user passed (a root) goes to the handler
-`zerojax.hook` installs (the per-device hook); any other module call is recorded while units
-are found, and run as a gathered stage-3 unit when it is one (`flax.units.dispatch`).
+once per (class, path), whose `__call__` and other public methods route the call.
+`nnx.split` and `nnx.merge` carry a node's type, so the copies that `nnx.value_and_grad`,
+`nnx.scan` or the per-device model make keep it. A routed `__call__` of an object the user
+passed (a root) goes to the handler `zerojax.hook` installs (the per-device hook); any other
+module call is recorded while units are found, and run as a gathered stage-3 unit when it is
+one (`flax.units.dispatch`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 
 import jax
 from flax import nnx
 
 from zerojax.flax.gather import run_unit
-from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, leaf_ndims
+from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
 
 # handler(module, call, path, args, kwargs) for roots' calls, while a zerojax step is traced
 _ROOT_HANDLER: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_root", default=None)
@@ -35,7 +37,7 @@ def _routed_class(cls, path: str, root: bool):
             cls.__name__,
             (cls,),
             {
-                "__call__": _call,
+                **{name: _routed_method(name) for name in _methods(cls)},
                 "_zerojax_class": cls,
                 "_zerojax_path": path,
                 "_zerojax_root": root,
@@ -46,19 +48,42 @@ def _routed_class(cls, path: str, root: bool):
     return _ROUTED[key]
 
 
-def _call(self, *args, **kwargs):
-    sub = type(self)
-    cls, path = sub._zerojax_class, sub._zerojax_path
-    original = lambda m, *a, **k: cls.__call__(m, *a, **k)
-    handler = _ROOT_HANDLER.get()
-    if sub._zerojax_root and handler is not None:
-        return handler(self, original, path, args, kwargs)
-    return dispatch(
-        path,
-        lambda: _record(self, path),
-        lambda: _run_unit(self, path, original, args, kwargs),
-        lambda: original(self, *args, **kwargs),
-    )
+def _methods(cls) -> list[str]:
+    """The methods of an NNX module class routed: `__call__` and every public method its
+    classes below nnx.Module define (`Embed.attend`, a user's `encode`)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in nnx.Module.__mro__:
+            continue
+        names |= {
+            name
+            for name, value in vars(klass).items()
+            if is_public_method(name) and inspect.isfunction(value)
+        }
+    return sorted(names)
+
+
+def _routed_method(name: str):
+    """The routed `name` method: a root's `__call__` goes to the step's handler (the
+    per-device hook); any other call is recorded while units are found and runs as a
+    gathered stage-3 unit when its module is one (`flax.units.dispatch`)."""
+
+    def method(self, *args, **kwargs):
+        sub = type(self)
+        cls, path = sub._zerojax_class, sub._zerojax_path
+        original = lambda m, *a, **k: getattr(cls, name)(m, *a, **k)
+        handler = _ROOT_HANDLER.get()
+        if name == "__call__" and sub._zerojax_root and handler is not None:
+            return handler(self, original, path, args, kwargs)
+        return dispatch(
+            path,
+            lambda: _record(self, path),
+            lambda: _run_unit(self, path, original, args, kwargs),
+            lambda: original(self, *args, **kwargs),
+        )
+
+    method.__name__ = name
+    return method
 
 
 def _path(prefix: str, path: tuple) -> str:
@@ -120,9 +145,14 @@ def _run_unit(module, path: str, original, args, kwargs):
 
     def apply(pure, rest, a, k):
         rest = jax.tree_util.tree_map(lambda x: x, rest)  # Variables of this trace, writable
+        before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
         copy = nnx.merge(graphdef, with_params(params, pure), rest)
         out = original(copy, *a, **k)
-        return out, nnx.state(copy, nnx.Not(nnx.Param))
+        # only what the call changed is written back: a frozen BatchNorm's statistics (read
+        # only) live outside this trace, where they cannot be written
+        after = nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))
+        changed = [(p, v) for p, v in after if p not in before or v.get_value() is not before[p]]
+        return out, nnx.from_flat_state(changed)
 
     out, written = run_unit(path, nnx.to_pure_dict(params), apply, rest, args, kwargs)
     nnx.update(module, written)

@@ -52,17 +52,27 @@ _DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (inner
 
 
 def intercept(next_fun, args, kwargs, context):
-    """The interceptor zerojax's per-device Linen model runs under (see `dispatch`)."""
-    module = context.module
-    if context.method_name != "__call__" or module.is_initializing():
-        return next_fun(*args, **kwargs)
+    """The interceptor zerojax's per-device Linen model runs under (see `dispatch`): every
+    public method of a module (`__call__`, `Embed.attend`, ...), so that any method called
+    on a unit runs on its gathered weights."""
+    module, method = context.module, context.method_name
     path = "/".join(module.path)
+    if method == "setup" and not _DISCOVERY and _is_unit(path):
+        return None  # on this device's shards it would fail; it runs on the gathered weights
+    if not is_public_method(method) or module.is_initializing():
+        return next_fun(*args, **kwargs)
     return dispatch(
         path,
         lambda: _record(module, path),
-        lambda: gather_unit(module, args, kwargs),
+        lambda: gather_unit(module, method, args, kwargs),
         lambda: next_fun(*args, **kwargs),
     )
+
+
+def is_public_method(name: str) -> bool:
+    """Whether calls of a module's method `name` are a module call zerojax sees: `__call__`
+    and every public method but Flax's own set-up."""
+    return name == "__call__" or not (name.startswith("_") or name == "setup")
 
 
 def dispatch(path: str, record, run_unit, run):
@@ -73,10 +83,13 @@ def dispatch(path: str, record, run_unit, run):
         if path not in _DISCOVERY[-1]:
             _DISCOVERY[-1][path] = record()
         return run()
+    return run_unit() if _is_unit(path) else run()
+
+
+def _is_unit(path: str) -> bool:
+    """Whether the module at `path` runs as a unit of the stage-3 step being traced."""
     ctx = current_context()
-    if ctx is None or path not in ctx.units:
-        return run()
-    return run_unit()
+    return ctx is not None and path in ctx.units
 
 
 def _record(module, path) -> ModuleCall:
