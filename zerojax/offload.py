@@ -50,9 +50,10 @@ def to_storage(state, shardings):
 
 
 def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
-    """`update(master, inner, grads)` (the user's optax step) run by the host CPU on the
-    offloaded master weights and optimizer state; gradients and the `finite` flag travel to the
-    host (gradients split like the master), and where `finite` is False the old values stay.
+    """`update(master, inner, grads)` (the user's optax step: new master, new state, updates)
+    run by the host CPU on the offloaded master weights and optimizer state; gradients and the
+    `finite` flag travel to the host (gradients split like the master), and where `finite` is
+    False the old master and state stay.
     `shardings` = (master, inner, grads, finite) storage shardings.
     Only the optax step runs there: JAX (0.10) types memory spaces, and arrays an op creates
     inside a host computation (zeros, constants) are typed device, so general code such as the
@@ -64,10 +65,19 @@ def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
     @compute_on("device_host")
     @jax.jit
     def run(master, inner, grads, finite):
-        new = update(master, inner, grads)
-        return jax.tree_util.tree_map(lambda n, o: jnp.where(finite, n, o), new, (master, inner))
+        new_master, new_inner, updates = update(master, inner, grads)
+        kept = jax.tree_util.tree_map(
+            lambda n, o: jnp.where(finite, n, o), (new_master, new_inner), (master, inner)
+        )
+        return (*kept, updates)  # the updates are masked on the device (optim._optimizer_step)
 
-    return run(*args)
+    new_master, new_inner, updates = run(*args)
+    # the new master and the updates come back to the device, where the user's update code
+    # reads them (and the master follows what it returns, optim.settle); the state stays
+    device = lambda tree: jax.tree_util.tree_map(
+        lambda x, s: _put(x, s, DEVICE), tree, shardings[0]
+    )
+    return device(new_master), new_inner, device(updates)
 
 
 def activation_policy():

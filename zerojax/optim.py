@@ -4,10 +4,12 @@ global-norm clipping.
 
 `prepare_state` turns a user's TrainState into a managed one: 16-bit `params`, a `ZeroOptState`
 holding the user's optimizer state beside the master weights and buffers, and a `ZeroTx` in
-place of the user's `tx`. Inside a zerojax step, the user's unchanged
-`state.apply_gradients(grads=grads)` calls `ZeroTx.update`, which only hands the gradients to
-the step; the step then calls `apply_update`, which runs the user's optimizer in fp32 on the
-master weights, in XLA's global view (so clipping and factored optimizers see whole tensors).
+place of the user's `tx`. Inside a zerojax step the user's own update code stays in charge:
+its `state.apply_gradients(grads=grads)` (an override included) calls `ZeroTx.update`, which
+returns the real update (`managed_update`: the user's optimizer in fp32 on the master weights,
+in XLA's global view, so clipping and factored optimizers see whole tensors), and the state the
+user's code returns is the new state. `settle` then lets the master weights follow the
+parameters that code returned (a projection it made is kept) and counts optimizer steps.
 """
 
 from __future__ import annotations
@@ -42,23 +44,40 @@ class ZeroOptState(NamedTuple):
     overflow_at_min_scale: jax.Array  # bool: overflowed with the scale already at its minimum
 
 
-_GRAD_SINK = contextvars.ContextVar("zerojax_grad_sink", default=None)
+_UPDATE = contextvars.ContextVar("zerojax_update", default=None)
 
 
 @contextlib.contextmanager
-def capture_gradients():
-    """Collects the gradients `ZeroTx.update` receives while the user's step is traced."""
-    sink = []
-    token = _GRAD_SINK.set(sink)
+def updating(update):
+    """While a step is traced, `ZeroTx.update(grads, state, params)` returns
+    `update(inner_tx, grads, state, params)`; yields the list of gradients it was called with
+    (a step calls its update exactly once: `outputs.one_capture`)."""
+    calls: list = []
+
+    def counted(tx, grads, state, params):
+        calls.append(grads)
+        return update(tx, grads, state, params)
+
+    token = _UPDATE.set(counted)
     try:
-        yield sink
+        yield calls
     finally:
-        _GRAD_SINK.reset(token)
+        _UPDATE.reset(token)
+
+
+def capture_gradients():
+    """`updating` that only collects the gradients and changes nothing (local accumulation:
+    the step runs per device, and the update is applied once the gradients are reduced)."""
+    return updating(lambda tx, grads, state, params: (_zeros(grads), state))
+
+
+def _zeros(tree):
+    return jax.tree_util.tree_map(jnp.zeros_like, tree)
 
 
 class ZeroTx:
-    """Stands in for the user's optax transformation in a managed state: `update` hands the
-    gradients to the zerojax step (which applies them) and returns zero updates."""
+    """Stands in for the user's optax transformation in a managed state: inside a zerojax step,
+    `update` returns the managed update of the user's transformation (`managed_update`)."""
 
     def __init__(self, inner: optax.GradientTransformation):
         self.inner = inner
@@ -76,14 +95,24 @@ class ZeroTx:
         )
 
     def update(self, grads, state, params=None, **extra_args):
-        sink = _GRAD_SINK.get()
-        if sink is None:
+        update = _UPDATE.get()
+        if update is None:
             raise ZeroError(
                 "apply_gradients on a zerojax-managed state only works inside a "
                 "step decorated with its zero_shard."
             )
-        sink.append(grads)
-        return jax.tree_util.tree_map(jnp.zeros_like, grads), state
+        if extra_args:
+            raise ZeroError(
+                f"the managed update does not pass extra arguments ({sorted(extra_args)}) to "
+                "the optimizer: drop them, or train without the options that manage the "
+                "update (precision, accumulation, clipping, on_nonfinite)."
+            )
+        if params is None:
+            raise ZeroError(
+                "the managed update needs the parameters: call tx.update(grads, opt_state, "
+                "params), as TrainState.apply_gradients and nnx.Optimizer.update do."
+            )
+        return update(self.inner, grads, state, params)
 
 
 def zero_opt_state(tree) -> ZeroOptState | None:
@@ -136,7 +165,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
         lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
     )
-    local = cfg.accumulates_locally
+    local = cfg.accumulates_locally and not _own_update(state, cfg)
     opt = ZeroOptState(
         inner=store_optimizer_state(state.opt_state, cfg),
         master=params32 if cfg.precision != "fp32" else (),
@@ -150,6 +179,23 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
         opt_state=opt,
         tx=ZeroTx(state.tx),
     )
+
+
+def _own_update(state, cfg: ZeroConfig) -> bool:
+    """Whether the state's class overrides `apply_gradients` (an EMA, a projection): its code
+    must see the updated parameters, which local accumulation cannot give it (the step runs
+    per device before the gradients are reduced), so 'auto' accumulates 'reduced' for it."""
+    own = getattr(type(state), "apply_gradients", None)
+    if own is None or getattr(own, "__module__", "").startswith("flax."):
+        return False
+    if cfg.accumulate == "local":
+        raise ZeroError(
+            f"accumulate='local' runs the step per device and applies the update after it, "
+            f"so {type(state).__name__}.apply_gradients would see the parameters unchanged: "
+            "use accumulate='reduced' (or 'auto'), which runs your apply_gradients on the "
+            "updated parameters."
+        )
+    return True
 
 
 def initial_scaler(cfg: ZeroConfig) -> dict:
@@ -176,14 +222,29 @@ def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:
     return opt._replace(accum=accum, micro=opt.micro + 1)
 
 
-def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
-    """The optimizer step: mean over micro-batches, overflow check (fp16), clipping, the user's
-    optimizer on the fp32 master weights, then params = master.astype(dtype).
-    `run_optimizer(update, master, inner, grads, finite)`, if given, runs the user's optimizer
-    elsewhere (offload.optimizer_on_host) and keeps the old values where `finite` is False."""
-    opt: ZeroOptState = state.opt_state
-    k = cfg.gradient_accumulation_steps
+def managed_update(tx, opt: ZeroOptState, grads, params, cfg: ZeroConfig, micro: bool, run=None):
+    """What `ZeroTx.update` returns for the user's optax `tx`: (updates to `params`, the new
+    ZeroOptState). A micro-batch only accumulates its gradients (the parameters stay, as under
+    optax.MultiSteps); the k-th takes the mean over micro-batches, checks for overflow (fp16,
+    on_nonfinite: a non-finite step changes nothing, as under optax.apply_if_finite), clips,
+    and runs `tx` on the fp32 master weights. `params` (the fp32 view the step sees) plus the
+    updates are the new master weights. `run(update, master, inner, grads, finite)`, if given,
+    runs the optimizer elsewhere (offload.optimizer_on_host)."""
     grads = cast_floating(grads, jnp.float32)
+    master = opt.master if present(opt.master) else params
+    if micro:
+        new_opt, new_master, updates = accumulate(opt, grads), master, _zeros(params)
+    else:
+        new_opt, new_master, updates = _optimizer_step(tx, opt, grads, master, cfg, run)
+    if present(opt.master):  # the user's view holds master.astype(16 bits) in fp32
+        updates = jax.tree_util.tree_map(lambda m, p: m - p, new_master, params)
+        new_opt = new_opt._replace(master=new_master)
+    return updates, new_opt
+
+
+def _optimizer_step(tx, opt: ZeroOptState, grads, master, cfg: ZeroConfig, run):
+    """(new ZeroOptState, new master, `tx`'s updates) of the k-th micro-batch."""
+    k = cfg.gradient_accumulation_steps
     if present(opt.accum):
         grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, opt.accum, grads)
     if k > 1:
@@ -195,8 +256,6 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
         grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
             grads, optax.EmptyState()
         )
-    master = opt.master if present(opt.master) else state.params
-
     low_precision_state = cfg.optimizer_state_dtype != "fp32"
 
     def update(master, stored, grads=grads):
@@ -205,22 +264,24 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
             inner = jax.tree_util.tree_map(
                 lambda x: x.astype(jnp.float32) if _moment(x) else x, stored
             )
-        updates, inner = state.tx.inner.update(grads, inner, master)
+        updates, inner = tx.update(grads, inner, master)
         if low_precision_state:
             inner = store_optimizer_state(inner, cfg, stored)
-        return optax.apply_updates(master, updates), inner
+        return optax.apply_updates(master, updates), inner, updates
 
-    if run_optimizer is not None:
-        new_master, inner = run_optimizer(update, master, opt.inner, grads, finite)
+    if run is not None:
+        new_master, inner, updates = run(update, master, opt.inner, grads, finite)
     elif checks:  # a non-finite step changes nothing (fp16: but the loss scale)
-        new_master, inner = jax.lax.cond(finite, update, lambda m, i: (m, i), master, opt.inner)
+        keep = lambda m, i: (m, i, _zeros(m))
+        new_master, inner, updates = jax.lax.cond(finite, update, keep, master, opt.inner)
     else:
-        new_master, inner = update(master, opt.inner)
+        new_master, inner, updates = update(master, opt.inner)
+    if checks:
+        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, 0), updates)
     scale, good, hyst, at_min = _next_loss_scale(opt, finite, cfg)
     opt = opt._replace(
         inner=inner,
-        master=new_master if present(opt.master) else (),
-        accum=jax.tree_util.tree_map(jnp.zeros_like, opt.accum),
+        accum=_zeros(opt.accum),
         micro=jnp.zeros((), jnp.int32),
         scale=scale,
         good_steps=good,
@@ -230,12 +291,52 @@ def apply_update(state, old_step, grads, cfg: ZeroConfig, run_optimizer=None):
         grad_norm=jnp.where(finite, norm, opt.grad_norm),
         overflow_at_min_scale=at_min,
     )
-    params = cast_floating(new_master, DTYPES[cfg.precision])
+    return opt, new_master, updates
+
+
+def settle(before, after, cfg: ZeroConfig, micro: bool):
+    """The state the user's update code returned (`after`, from `before`) as zerojax keeps it:
+    the fp32 master weights follow the parameters it returned (exactly the managed update's
+    where they are what `params + updates` gives; the user's values where its code changed
+    them, e.g. a projection), the 16-bit parameters are the master's, and `step` counts
+    optimizer steps applied (a micro-batch or a skipped non-finite step leaves it)."""
+    opt = after.opt_state
+    if not isinstance(opt, ZeroOptState):
+        raise ZeroError(
+            "the state a managed zerojax step returns must hold the opt_state its "
+            "apply_gradients made (tx.update's); the step replaced it with "
+            f"{type(opt).__name__}."
+        )
+    params = after.params
+    if present(opt.master):
+        view = cast_floating(before.params, jnp.float32)
+        master = jax.tree_util.tree_map(_follow, opt.master, view, params)
+        opt = opt._replace(master=master)
+        params = cast_floating(master, DTYPES[cfg.precision])
+    applied = jnp.asarray(False) if micro else ~opt.last_skipped
     # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
     # returned state matches the input's avals and the step does not compile twice
-    return state.replace(
-        params=params, opt_state=opt, step=jnp.where(finite, old_step + 1, old_step)
+    return after.replace(
+        params=params, opt_state=opt, step=jnp.where(applied, after.step, before.step)
     )
+
+
+def _follow(master, view, returned):
+    """The new master weight of one leaf: `master` where the user's code returned what
+    `optax.apply_updates(view, master - view)` gives, else what it returned."""
+    returned = returned.astype(jnp.float32)
+    return jnp.where(returned == view + (master - view), master, returned)
+
+
+def apply_update(state, old_step, grads, cfg: ZeroConfig, run=None):
+    """The managed update applied by zerojax itself to `state` (local accumulation: the user's
+    step ran per device before its gradients were reduced), as `apply_gradients` would."""
+    view = cast_floating(state.params, jnp.float32)
+    updates, opt = managed_update(state.tx.inner, state.opt_state, grads, view, cfg, False, run)
+    after = state.replace(
+        params=optax.apply_updates(view, updates), opt_state=opt, step=old_step + 1
+    )
+    return settle(state.replace(step=old_step), after, cfg, micro=False)
 
 
 def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from contextlib import nullcontext
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +35,14 @@ from zerojax.local_step import local_body
 from zerojax.model_calls import linen_calls_hooked, nnx_calls_hooked
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
+    ZeroOptState,
     accumulate,
     apply_update,
-    capture_gradients,
     cast_floating,
+    managed_update,
     present,
+    settle,
+    updating,
     zero_opt_state,
 )
 from zerojax.outputs import finish, one_capture, same_structure, split_output, with_metrics
@@ -243,7 +247,7 @@ class ZeroStep:
         state = to_device(
             state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
         )
-        if cfg.manages_update and cfg.accumulates_locally:
+        if cfg.manages_update and present(state.opt_state.per_device):  # optim.prepare_state
             out = self._traced_local(layout, shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
@@ -261,12 +265,29 @@ class ZeroStep:
             keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None,
         )
         objs, calls = objects.merge(state), []
-        managed = ManagedObjects(objs, cfg) if cfg.manages_update else None
+        managed = None
+        if cfg.manages_update:
+            master = getattr(zero_opt_state(shardings), "master", ())
+            layouts = (_device(shardings[PARAMS]), _device(master) if present(master) else None)
+            managed = ManagedObjects(objs, cfg, micro, layouts)
+        if managed and host_update and not micro:
+            # the objects hold the state's arrays: their shardings found by identity
+            by_id = {
+                id(x): sh
+                for x, sh in zip(*map(jax.tree_util.tree_leaves, (state, shardings)), strict=True)
+            }
+            opt = zero_opt_state(shardings)
+            managed.run = self._host_optimizer(
+                opt.master if present(opt.master) else shardings[PARAMS],
+                jax.tree_util.tree_map(lambda x: by_id[id(x)], managed.inner),
+                managed.params,
+                layout,
+            )
         hooked = contextlib.nullcontext()
         if self.zero.config.explicit_collectives:
             hook = self._hook(layout, batch_rows, calls, managed and managed.scale)
             hooked = nnx_calls_hooked(hook, batch_rows, objs, objects.prefixes)
-        with hooked, capture_gradients() as sink:
+        with hooked, updating(managed.update) if managed else nullcontext([]) as updates:
             try:
                 out = self.fn(*objs, batch, *extra)
             except AttributeError as e:
@@ -287,22 +308,8 @@ class ZeroStep:
                 "fp32 (give the model a bf16 dtype for 16-bit compute)."
             )
         if managed:
-            run = None
-            if host_update:  # the objects hold the state's arrays: their shardings by identity
-                by_id = {
-                    id(x): sh
-                    for x, sh in zip(
-                        *map(jax.tree_util.tree_leaves, (state, shardings)), strict=True
-                    )
-                }
-                opt = zero_opt_state(shardings)
-                run = self._host_optimizer(
-                    opt.master if present(opt.master) else shardings[PARAMS],
-                    jax.tree_util.tree_map(lambda x: by_id[id(x)], managed.before.opt_state.inner),
-                    managed.params,
-                    layout,
-                )
-            managed.finish(one_capture(sink), micro, run)
+            one_capture(updates)
+            managed.finish()
         new = objects.to_state(objs)
         master = getattr(zero_opt_state(shardings), "master", ())
         if cfg.precision != "fp32" and not micro and same_structure(new[PARAMS], master):
@@ -322,8 +329,9 @@ class ZeroStep:
         managed = cfg.manages_update
         scale = state.opt_state.scale if managed and cfg.precision == "fp16" else None
         view = state
-        if managed:
-            view = view.replace(params=cast_floating(state.params, jnp.float32))
+        if managed:  # fp32 views laid out as the parameters are stored (not as the master)
+            params = cast_floating(state.params, jnp.float32)
+            view = view.replace(params=_constrain(params, shardings.params))
         explicit = self.zero.config.explicit_collectives
         hook = self._hook(layout, batch_rows, calls, scale)
         if explicit and callable(original) and hasattr(state, "replace"):
@@ -336,7 +344,8 @@ class ZeroStep:
             )
         # a Linen model the step applies itself (a closure's model.apply) is hooked too
         hooked = linen_calls_hooked(hook, batch_rows) if explicit else contextlib.nullcontext()
-        with capture_gradients() as sink, hooked:
+        update = functools.partial(self._managed_update, layout, shardings, micro)
+        with updating(update) if managed else nullcontext([]) as updates, hooked:
             out = self.fn(view, batch, *extra)
         self._traced_calls(calls)
         new_state, rest = split_output(out, state)
@@ -344,25 +353,37 @@ class ZeroStep:
             new_state = new_state.replace(apply_fn=original)
         if not managed:
             return (new_state, *rest) if rest is not None else new_state
-        grads = one_capture(sink)
-        new_state = new_state.replace(params=state.params, opt_state=state.opt_state)
-        if micro:
-            new_state = new_state.replace(
-                opt_state=accumulate(state.opt_state, grads), step=state.step
+        one_capture(updates)
+        if present(state.opt_state.master):  # split like the master, so that the new 16-bit
+            # params are what is gathered (stages 1-2), not fp32 updates
+            if same_structure(new_state.params, shardings.opt_state.master):
+                params = _constrain(new_state.params, shardings.opt_state.master)
+                new_state = new_state.replace(params=params)
+        return with_metrics(settle(state, new_state, cfg, micro), rest)
+
+    def _managed_update(self, layout, shardings, micro, tx, grads, opt, params):
+        """`ZeroTx.update` inside the step: `optim.managed_update`, with the optimizer on the
+        device or (offload_update='host') on the host CPU."""
+        if not isinstance(opt, ZeroOptState):
+            raise ZeroError(
+                "a managed zerojax step's apply_gradients must call tx.update with the "
+                f"state's own opt_state; it passed {type(opt).__name__}."
             )
-        else:
-            new_state = self._update(layout, shardings, new_state, state.step, grads)
-        return with_metrics(new_state, rest)
+        cfg, run = self.zero.config, None
+        if cfg.offload_update == "host" and not micro:
+            sh = shardings.opt_state
+            master = sh.master if present(sh.master) else shardings.params
+            run = self._host_optimizer(master, sh.inner, params, layout)
+        return managed_update(tx, opt, grads, params, cfg, micro, run)
 
     def _update(self, layout, shardings, new_state, old_step, grads):
-        """`optim.apply_update`, on the device or (offload_update='host') on the host CPU."""
-        cfg = self.zero.config
-        if cfg.offload_update != "host":
-            return apply_update(new_state, old_step, grads, cfg)
-        opt = shardings.opt_state
-        master = opt.master if present(opt.master) else shardings.params
-        run = self._host_optimizer(master, opt.inner, new_state.params, layout)
-        return apply_update(new_state, old_step, grads, cfg, run_optimizer=run)
+        """`optim.apply_update` (local accumulation), on the device or on the host CPU."""
+        cfg, run = self.zero.config, None
+        if cfg.offload_update == "host":
+            opt = shardings.opt_state
+            master = opt.master if present(opt.master) else shardings.params
+            run = self._host_optimizer(master, opt.inner, new_state.params, layout)
+        return apply_update(new_state, old_step, grads, cfg, run)
 
     def _host_optimizer(self, master, inner, params, layout):
         """`run_optimizer` of `optim.apply_update` for offload_update='host': the user's optax
@@ -379,7 +400,11 @@ class ZeroStep:
 
     def _traced_local(self, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
-        specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
+        # the step runs per device on its parameters' and optimizer state's storage layout,
+        # and on whole other fields (an EMA split at rest is gathered for it)
+        specs = jax.tree_util.tree_map_with_path(
+            lambda p, s: s.spec if category_of(p) in (PARAMS, OPT_STATE) else P(), shardings
+        )
         param_grad_specs = layout.param_specs(state.params, "grad_spec")
         calls: list = []
         body = functools.partial(local_body, self.fn, cfg, comm, param_grad_specs, calls, micro)
@@ -426,3 +451,13 @@ class ZeroStep:
                 f"zerojax: {self._fallback_reason()}, so XLA's partitioner places every "
                 f"collective, ZeRO's included ({cost})."
             )
+
+
+def _device(shardings):
+    """`shardings`' splits, in device memory."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, s.spec), shardings)
+
+
+def _constrain(tree, shardings):
+    """`tree` laid out like `shardings` (their split, in device memory)."""
+    return jax.lax.with_sharding_constraint(tree, _device(shardings))

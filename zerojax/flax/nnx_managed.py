@@ -2,32 +2,26 @@
 accumulation, clipping) for an NNX model and its `nnx.Optimizer`, with Flax's step unchanged.
 
 `manage_objects` turns the objects into managed ones, as `optim.prepare_state` does a
-TrainState: the model's parameters in the 16-bit dtype, the optimizer's `tx` a `ZeroTx` (so
-Flax's `optimizer.update(model, grads)` only hands the gradients to the step), and a
+TrainState: the model's parameters in the 16-bit dtype, the optimizer's `tx` a `ZeroTx`, and a
 `ZeroBuffers` variable `optimizer.zerojax` holding the master weights, buffers and loss scaler
 (a `ZeroOptState` whose `inner` is left empty: the optax state stays in `optimizer.opt_state`).
-In the step, `ManagedObjects` gives the model an fp32 view of its parameters, then applies the
-captured gradients with `optim.apply_update` and writes the result back into the objects.
+In the step, `ManagedObjects` gives the model an fp32 view of its parameters, and Flax's own
+`optimizer.update` applies the real update (`optim.managed_update`) that its `ZeroTx` returns,
+so the user's code after it sees the new parameters; `optim.settle` then keeps what it left.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
 from zerojax.config import ZeroConfig, ZeroError
 from zerojax.flax.nnx_calls import with_params
-from zerojax.optim import (
-    ZeroTx,
-    accumulate,
-    apply_update,
-    cast_floating,
-    prepare_state,
-)
+from zerojax.optim import ZeroTx, cast_floating, managed_update, prepare_state, present, settle
 
 BUFFERS = "zerojax"  # the optimizer attribute holding the ZeroBuffers variable
 
@@ -112,39 +106,61 @@ def _on_states(tx, template) -> optax.GradientTransformation:
 
 class ManagedObjects:
     """One managed step's objects: made before the step runs, it gives the model an fp32 view
-    of its parameters; `finish` applies (or accumulates) the gradients the step's
-    `optimizer.update` handed over."""
+    of its parameters; `update` is what the step's `optimizer.update` gets from its `ZeroTx`
+    (`optim.managed_update`, with the buffers read from and written to `optimizer.zerojax`);
+    `finish` settles what the step's code left in the objects (`optim.settle`)."""
 
-    def __init__(self, objs: tuple, cfg: ZeroConfig):
-        self.cfg = cfg = for_nnx(cfg)
-        self.model, self.optimizer = pair(objs, cfg)
-        params = nnx.state(self.model, nnx.Param)
-        self.params = nnx.to_pure_dict(params)  # 16-bit, as stored
-        opt = getattr(self.optimizer, BUFFERS).get_value()
-        self.before = _View(
-            self.params,
-            opt._replace(inner=nnx.as_pure(self.optimizer.opt_state)),
-            self.optimizer.step.get_value(),
-            ZeroTx(_on_states(self.optimizer.tx.inner, params)),
-        )
-        _set_params(self.model, cast_floating(self.params, jnp.float32))
+    def __init__(self, objs: tuple, cfg: ZeroConfig, micro: bool, layouts=(None, None)):
+        """`layouts`: the shardings of the stored parameters and of the master weights (device
+        memory), which the fp32 view and the parameters the step returns are laid out like."""
+        self.cfg, self.micro, self.run = for_nnx(cfg), micro, None
+        self.model, self.optimizer = pair(objs, self.cfg)
+        self.template = nnx.state(self.model, nnx.Param)
+        self.params = nnx.to_pure_dict(self.template)  # 16-bit, as stored
+        self.inner = nnx.as_pure(self.optimizer.opt_state)
+        self.buffers = getattr(self.optimizer, BUFFERS)
+        self.step = self.optimizer.step.get_value()
+        self.layouts = layouts
+        _set_params(self.model, _laid_out(cast_floating(self.params, jnp.float32), layouts[0]))
 
     @property
     def scale(self):
-        return self.before.opt_state.scale if self.cfg.precision == "fp16" else None
+        return self.buffers.get_value().scale if self.cfg.precision == "fp16" else None
 
-    def finish(self, grads, micro: bool, run_optimizer=None) -> None:
-        """Write the update of `grads` (or, for a micro-batch, their accumulation) into the
-        objects, whatever the step's `optimizer.update` did to them; `run_optimizer` as for
-        `optim.apply_update` (the host update)."""
-        grads = nnx.to_pure_dict(grads) if isinstance(grads, nnx.State) else grads
-        if micro:
-            after = dataclasses.replace(
-                self.before, opt_state=accumulate(self.before.opt_state, grads)
-            )
-        else:
-            after = apply_update(self.before, self.before.step, grads, self.cfg, run_optimizer)
-        _set_params(self.model, self.params if micro else after.params)
-        nnx.update(self.optimizer.opt_state, nnx.state(after.opt_state.inner))
-        self.optimizer.step.set_value(jnp.asarray(after.step, self.before.step.dtype))
-        getattr(self.optimizer, BUFFERS).set_value(after.opt_state._replace(inner=()))
+    def update(self, tx, grads, state, params):
+        """`ZeroTx.update(grads, state, params)` as Flax's `optimizer.update` calls it, with
+        nnx.States of arrays: the managed update of the user's `tx` on pure dicts."""
+        pure = lambda tree: nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
+        opt = self.buffers.get_value()._replace(inner=state)
+        tx = _on_states(tx, self.template)
+        updates, opt = managed_update(
+            tx, opt, pure(grads), pure(params), self.cfg, self.micro, self.run
+        )
+        self.buffers.set_value(opt._replace(inner=()))
+        return nnx.as_pure(with_params(self.template, updates)), opt.inner
+
+    def finish(self) -> None:
+        """The objects as zerojax keeps them after the step: master weights that follow the
+        model's parameters, 16-bit parameters, the optimizer's step counting applied updates."""
+        before = _View(self.params, None, self.step, None)
+        params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
+        if present(self.buffers.get_value().master):  # split like the master: the new 16-bit
+            params = _laid_out(params, self.layouts[1])  # params are what is gathered
+        after = _View(
+            params,
+            self.buffers.get_value(),
+            self.optimizer.step.get_value(),
+            None,
+        )
+        after = settle(before, after, self.cfg, self.micro)
+        _set_params(self.model, after.params)
+        self.optimizer.step.set_value(jnp.asarray(after.step, self.step.dtype))
+        self.buffers.set_value(after.opt_state)
+
+
+def _laid_out(tree, shardings):
+    """`tree` constrained to `shardings` when given and of its structure."""
+    same = shardings is not None and (
+        jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shardings)
+    )
+    return jax.lax.with_sharding_constraint(tree, shardings) if same else tree
