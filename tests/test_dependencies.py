@@ -87,3 +87,25 @@ def test_flax_rng_counters_nest_per_child_scope():
         "flax.linen.Module.clone lost `_deep_clone`: zerojax.flax.gather.gather_unit clones a "
         "unit onto its scope the way Module.apply does; follow Module.apply's new way there."
     )
+
+
+def test_a_trace_context_option_makes_jit_trace_again():
+    from jax._src import config as jax_config
+
+    state = getattr(jax_config, "hlo_source_file_canonicalization_regex", None)
+    traces = []
+
+    @jax.jit
+    def inner(x):
+        traces.append(1)
+        return x * 2
+
+    inner(np.ones(3, np.float32))
+    with state("(?!)zerojax-canary"):
+        jax.eval_shape(inner, np.ones(3, np.float32))
+    assert len(traces) == 2, (
+        "jax._src.config.hlo_source_file_canonicalization_regex no longer keys jit's trace "
+        "cache: zerojax.hook.fresh_traces sets it so that a model's own jax.jit (Flax's nn.jit) "
+        "traces again where zerojax finds and gathers units; pick another trace-context option "
+        "that changes nothing a trace computes."
+    )

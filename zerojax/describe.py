@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.rules import PARAMS, LeafPlan, category_of, path_str, stage_splits
+from zerojax.rules import PARAMS, LeafPlan, path_str
 
 WARN_FRACTION = 0.01  # a cause keeping more than this share of the bytes a stage splits warns
 LARGE_LEAF_BYTES = 1 << 20  # ...and so does one leaf this large that no device count divides
@@ -90,16 +90,17 @@ class Description:
 def leaf_rows(zero, state, units: dict | None = None) -> list[LeafRow]:
     """A `LeafRow` per leaf of `state` (arrays or ShapeDtypeStructs, placed or not): its own
     sharding when it has one, else the one `zero` gives it; `units`: {path: its unit}."""
-    shardings = jax.tree_util.tree_leaves(zero.state_shardings(state))
+    layout = zero.layout(state)
+    shardings = jax.tree_util.tree_leaves(layout.shardings(zero.mesh))
     rows = []
-    for (path, leaf), want in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0], shardings, strict=True
+    for (path, leaf), want, plan in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0], shardings, layout.plans, strict=True
     ):
         sharding = getattr(leaf, "sharding", None)
         if not isinstance(sharding, jax.sharding.NamedSharding):
             sharding = want
         shape, dtype = tuple(np.shape(leaf)), leaf.dtype  # numpy or typed PRNG key dtype
-        split = bool(shape) and stage_splits(zero.config, category_of(path))
+        split = plan.meant
         local = sharding.shard_shape(shape)
         rows.append(
             LeafRow(
@@ -140,7 +141,7 @@ def replication_warnings(plans, cfg: ZeroConfig, shard_size: int, device_count: 
             "one device": f"zerojax: stage {stage} on one device splits nothing: every device "
             f"holds the whole state. {where}."
         }
-    meant = [p for p in plans if p.shape and stage_splits(cfg, p.category)]
+    meant = [p for p in plans if p.meant]
     total = sum(p.nbytes for p in meant)
     whole = [p for p in meant if p.reason.startswith("replicated")]
     share = lambda leaves: sum(p.nbytes for p in leaves) / total if total else 0.0

@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 
 import flax.linen as nn
 import jax
 import numpy as np
+from jax._src import config as jax_config  # the trace-context option, see fresh_traces
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
@@ -274,13 +276,27 @@ def _split_stateful(out):
     return out
 
 
+_TRACES = itertools.count()
+
+
+@contextlib.contextmanager
+def fresh_traces():
+    """Inside, a `jax.jit` the model calls (Flax's `nn.jit`, as gemma's Transformer wraps its
+    `__call__`) traces its function again instead of reusing a trace cached outside, so the
+    module calls in it are seen by zerojax (units found, units gathered). JAX keys its trace
+    caches on its "trace context" configuration; this sets one option of it that only names
+    source files in lowered HLO (never lowered in here) to a pattern matching nothing."""
+    with jax_config.hlo_source_file_canonicalization_regex(f"(?!)zerojax-{next(_TRACES)}"):
+        yield
+
+
 def _model(apply_fn, flat: list, positions: list, tree, offload_activations: bool):
     """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
     over, rematerialised with the activation-offload policy when offload_activations is on."""
 
     def model(variables, values, extra=None):
         args, kwargs = with_values(flat, positions, values, tree)
-        with model_running():  # its own module calls are not hooked again
+        with model_running(), fresh_traces():  # its own module calls are not hooked again
             return apply_fn(variables, *args, **kwargs, **(extra or {}))
 
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model

@@ -57,34 +57,78 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
     step; `prefixes`: the keys their parameters sit under in the state) runs through
     `hook(apply, stateful)`, the per-device `hooked_apply_fn`. A call that changes the module's
     other NNX state (RNG counts, batch statistics) is given that state and writes back what
-    the devices' calls wrote, combined (`zerojax.device_values`)."""
+    the devices' calls wrote, combined (`zerojax.device_values`); so is a call given NNX
+    objects as arguments (an `nnx.Rngs` passed at call time): each device draws its own keys
+    from them and they advance as under `nnx.jit`."""
 
     def handle(module, call, prefix: str, args, kwargs):
         if running_model() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
             return call(module, *args, **kwargs)
+        (args, kwargs), passed = _objects_out((args, kwargs))
         graphdef, params, rest = split_params(module)
-        stateful = bool(_changes_state(graphdef, params, rest, call, args, kwargs))
+        stateful = bool(passed) or bool(_changes_state(graphdef, params, rest, call, args, kwargs))
+        splits = [nnx.split(obj) for obj in passed]
 
         def apply(variables, *a, **k):
             pure = variables[PARAMS]
             for key in prefix.split("/") if prefix else ():
                 pure = pure[key]
             copy = nnx.merge(graphdef, with_params(params, pure), variables.get(NNX_STATE, rest))
+            states = variables[NNX_ARGS] if splits else []
+            given = [nnx.merge(g, s) for (g, _), s in zip(splits, states, strict=True)]
+            a, k = _objects_in((a, k), given)
             out = call(copy, *a, **k)
-            return (out, {NNX_STATE: nnx.state(copy, nnx.Not(nnx.Param))}) if stateful else out
+            if not stateful:
+                return out
+            written = {NNX_STATE: nnx.state(copy, nnx.Not(nnx.Param))}
+            return out, {**written, **({NNX_ARGS: [nnx.state(o) for o in given]} if given else {})}
 
         pure = nnx.to_pure_dict(params)
         for key in reversed(prefix.split("/") if prefix else ()):
             pure = {key: pure}
         variables = {PARAMS: pure, **({NNX_STATE: rest} if stateful else {})}
+        if splits:
+            variables[NNX_ARGS] = [state for _, state in splits]
         out = hook(apply, stateful)(variables, *args, **kwargs)
         if stateful:
             out, written = out
             nnx.update(module, written[NNX_STATE])
+            for obj, state in zip(passed, written.get(NNX_ARGS, ()), strict=True):
+                nnx.update(obj, state)
         return out
 
     with routed(objs, prefixes, handle):
         yield
+
+
+NNX_ARGS = "nnx_args"  # the key NNX objects passed to a call travel under through the hook
+
+
+class _Passed:
+    """Where an NNX object stood in a call's arguments (it travels as state, see `handle`)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _objects_out(tree):
+    """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    passed: list = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, nnx.Pytree):
+            leaves[i] = _Passed(len(passed))
+            passed.append(x)
+    return jax.tree_util.tree_unflatten(treedef, leaves), passed
+
+
+def _objects_in(tree, objects: list):
+    """`tree` with each `_Passed` replaced by its object from `objects`."""
+    return jax.tree_util.tree_map(
+        lambda x: objects[x.index] if isinstance(x, _Passed) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, _Passed),
+    )
 
 
 def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:

@@ -27,7 +27,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from zerojax import xla_flags
 from zerojax.describe import leaf_rows
 from zerojax.peak import Peak, explain_peak
-from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS, stage_splits
+from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
 from zerojax.state import split_call
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -295,7 +295,7 @@ def resident_bytes(zero, state):
     kept = 0
     for plan, row in zip(zero.plan(state), leaf_rows(zero, state), strict=True):
         (on_host if row.memory == HOST else by_cat)[_category(plan)] += row.bytes_per_device
-        if stage_splits(zero.config, plan.category) and plan.reason.startswith("replicated"):
+        if plan.meant and plan.reason.startswith("replicated"):
             kept += row.bytes_per_device
     return dict(by_cat), dict(on_host), kept
 

@@ -46,6 +46,7 @@ class LeafPlan:
     grad_spec: P | None = None
     tensor: TensorSpec | None = None
     unit: str | None = None  # the stage-3 unit gathering it (`zero.plan(..., step=, batch=)`)
+    meant: bool = False  # whether this stage splits the leaf at rest (`stage_splits`)
 
     @property
     def nbytes(self) -> int:
@@ -193,12 +194,17 @@ def category_of(path) -> str:
     return head if head in (PARAMS, OPT_STATE) else OTHER
 
 
-def stage_splits(cfg: ZeroConfig, category: str) -> bool:
-    """Whether `cfg`'s stage splits leaves of `category` at rest: the optimizer state from
-    stage 1, the parameters at stage 3 (gradients are not stored)."""
+def stage_splits(cfg: ZeroConfig, category: str, floating=False, mirrors=False) -> bool:
+    """Whether `cfg`'s stage splits a leaf of `category` at rest: the optimizer state from
+    stage 1, the parameters at stage 3 (gradients are not stored), and a floating leaf of
+    the state's other fields as what it is like: at stage 3 every one (a frozen base model in
+    its own field), from stage 1 one that `mirrors` a parameter (its path ends with the
+    parameter's and it has its shape: an EMA of the parameters, optimizer-like state)."""
     if category == OPT_STATE:
         return cfg.shards_optimizer_state
-    return category == PARAMS and cfg.shards_parameters
+    if category == PARAMS:
+        return cfg.shards_parameters
+    return floating and (cfg.shards_parameters or (mirrors and cfg.shards_optimizer_state))
 
 
 def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None) -> StateLayout:
@@ -248,7 +254,10 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
                 tensor_only=not cfg.shards_optimizer_state,
             )
         else:
-            spec, reason = P(), "replicated: not params or optimizer state"
+            spec, reason = _other_spec(path_str(path), leaf, param_specs, cfg, axis_size)
+        meant = bool(leaf.shape) and stage_splits(
+            cfg, cat, _floating(leaf), _mirrored(path_str(path), leaf.shape, param_specs)
+        )
         plans.append(
             LeafPlan(
                 path_str(path),
@@ -263,9 +272,39 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
                 split_dim=dim,
                 grad_spec=grad,
                 tensor=layout,
+                meant=meant,
             )
         )
     return StateLayout(treedef, tuple(plans))
+
+
+def _floating(leaf) -> bool:
+    return bool(jax.dtypes.issubdtype(leaf.dtype, np.floating))  # typed PRNG keys: False
+
+
+def _mirrored(path: str, shape, param_specs: dict) -> str | None:
+    """The path of the parameter a leaf at `path` mirrors (its path ends with the parameter's,
+    its shape is the parameter's), the longest such; None when it mirrors none. An optimizer
+    leaf that mirrors a parameter follows it (Adam's moments); so does an EMA."""
+    for ppath in sorted(param_specs, key=len, reverse=True):
+        if param_specs[ppath][0] == tuple(shape) and (path == ppath or path.endswith("/" + ppath)):
+            return ppath
+    return None
+
+
+def _other_spec(path: str, leaf, param_specs: dict, cfg: ZeroConfig, n: int):
+    """A leaf of the state's other fields: split as `stage_splits` says (like the parameter
+    it mirrors, else by the default rule and the user's rules on its path), else whole."""
+    mirrored = _mirrored(path, leaf.shape, param_specs)
+    if not (leaf.shape and stage_splits(cfg, OTHER, _floating(leaf), mirrored is not None)):
+        why = "not floating" if not _floating(leaf) else f"stage {cfg.stage} keeps it whole"
+        return P(), f"replicated: other state, {why}"
+    for pattern, dim in cfg.rules:  # the user's rules first, on the leaf's own path
+        if dim is None and re.search(pattern, path):
+            return P(), f"replicated: rule {pattern!r}"
+    if mirrored is not None:
+        return param_specs[mirrored][1], f"{param_specs[mirrored][2]} (like params/{mirrored})"
+    return split_spec(leaf.shape, cfg.axis, n, cfg, path)
 
 
 def split_dim(spec: P, axis) -> int | None:
@@ -299,13 +338,13 @@ def _follow_param(
     """An optimizer leaf takes the spec of the parameter whose path ends its own and whose shape
     is its own (`tensor_only`, stage 0: only its tensor-parallel axes); any other leaf (factored
     moments, counts) gets the default rule."""
-    for ppath in sorted(param_specs, key=len, reverse=True):  # longest matching path wins
-        pshape, spec, reason = param_specs[ppath]
-        if pshape == tuple(shape) and (path == ppath or path.endswith("/" + ppath)):
-            if tensor_only:
-                kept = [_without(e, cfg.axis) for e in spec]
-                return P(*kept) if any(kept) else P(), "replicated: stage 0"
-            return spec, reason
+    ppath = _mirrored(path, shape, param_specs)
+    if ppath is not None:
+        _, spec, reason = param_specs[ppath]
+        if tensor_only:
+            kept = [_without(e, cfg.axis) for e in spec]
+            return P(*kept) if any(kept) else P(), "replicated: stage 0"
+        return spec, reason
     if tensor_only:
         return P(), "replicated: stage 0"
     return split_spec(shape, cfg.axis, n, cfg, path, user_rules=False)

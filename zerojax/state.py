@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from flax import nnx
 
 from zerojax.config import ZeroConfig, ZeroError
@@ -81,11 +82,30 @@ def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:
     if count == 0:
         if len(args) < 2:
             raise ZeroError("a zerojax step is called as step(state, batch, *extra).")
+        _check_no_objects_after(args[1:])
         return boundary(args[0]), args[1], args[2:]
     if count == len(args):
         raise ZeroError(
             "an NNX zerojax step is called as step(model, optimizer, ..., batch, "
             "*extra): no batch came after the NNX objects."
         )
+    _check_no_objects_after(args[count:])
     objs = args[:count]
     return boundary(objs if count > 1 else objs[0]), args[count], args[count + 1 :]
+
+
+def _check_no_objects_after(rest: tuple) -> None:
+    """An NNX object in or after the batch would be changed on a copy inside the compiled
+    step and its changes lost (`nnx.jit` keeps them): refused, with where it goes."""
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+        if isinstance(x, nnx.Pytree)
+    ]
+    if found:
+        names = ", ".join(type(x).__name__ for x in found)
+        raise ZeroError(
+            f"an NNX object ({names}) is passed in or after the batch, where a zerojax step "
+            "would update a copy and drop its changes: pass every NNX object before the "
+            "batch, e.g. step(model, optimizer, metrics, batch)."
+        )
