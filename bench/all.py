@@ -29,6 +29,7 @@ RUNS = BENCH / "results" / "runs.json"  # each benchmark's last run: date and wa
 BENCHMARKS = {
     "peers_memory": [],
     "memory_at_peak": [],
+    "inference_cost": [],
     "optimizer_state_dtype": [],
     "recompute_units": [],
     "peers_comm": [],

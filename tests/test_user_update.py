@@ -224,10 +224,15 @@ def nnx_step(model, optimizer, ema, batch):
     return loss
 
 
-@pytest.mark.parametrize("option,stage", [("clip", 3), ("accumulation", 2), *slow(("clip", 1))])
+@pytest.mark.parametrize(
+    "option,stage",
+    [("clip", 3), ("accumulation", 2), ("skip_nan", 3), *slow(("clip", 1), ("on_nonfinite", 2))],
+)
 def test_nnx_code_after_optimizer_update_matches_single_device(option, stage):
     options, make_tx = OPTIONS[option]
     batches = data(3)
+    if option == "skip_nan":
+        batches[1] = {**batches[1], "x": np.full_like(batches[1]["x"], np.nan)}
     micro = [m for b in batches for m in halves(b)] if option == "accumulation" else batches
     with jax.default_device(jax.devices()[0]):
         ref = nnx_objects(make_tx())()
@@ -243,4 +248,18 @@ def test_nnx_code_after_optimizer_update_matches_single_device(option, stage):
     assert_trees_close(pure(objs[0]), pure(ref[0]))
     assert_trees_close(pure(objs[2]), pure(ref[2]))  # the EMA, from the updated model
     assert relative_change(pure(objs[2]), pure(objs[0])) > 1e-3
-    assert int(objs[1].step[...]) == len(batches)
+    assert int(objs[1].step[...]) == len(batches) - (option == "skip_nan")
+
+
+def test_nnx_code_after_optimizer_update_sees_the_fp32_master_in_bf16():
+    zero = zj.zero_shard(stage=3, precision="bf16")
+    objs = zero.init(nnx_objects(ADAMW()))
+    step = zero(nnx_step)
+    pure = lambda m: nnx.to_pure_dict(nnx.state(m, nnx.Param))
+    want = jax.tree.map(np.asarray, pure(objs[2]))
+    for b in data(3):
+        step(*objs, b)
+        master = objs[1].zerojax.get_value().master
+        want = jax.tree.map(lambda e, m: 0.5 * e + 0.5 * np.asarray(m), want, master)
+    assert_trees_close(pure(objs[2]), want)
+    assert {x.dtype for x in jax.tree.leaves(pure(objs[0]))} == {jnp.dtype(jnp.bfloat16)}
