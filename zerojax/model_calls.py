@@ -18,6 +18,7 @@ from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx_calls import routed, split_params, with_params
 from zerojax.hook import NNX_STATE, is_array, model_running, running_model, with_values
 from zerojax.rules import PARAMS
+from zerojax.state import objects_in, objects_out
 
 
 @contextlib.contextmanager
@@ -64,7 +65,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
     def handle(module, call, prefix: str, args, kwargs):
         if running_model() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
             return call(module, *args, **kwargs)
-        (args, kwargs), passed = _objects_out((args, kwargs))
+        (args, kwargs), passed = objects_out((args, kwargs))
         graphdef, params, rest = split_params(module)
         stateful = bool(passed) or bool(_changes_state(graphdef, params, rest, call, args, kwargs))
         splits = [nnx.split(obj) for obj in passed]
@@ -76,7 +77,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
             copy = nnx.merge(graphdef, with_params(params, pure), variables.get(NNX_STATE, rest))
             states = variables[NNX_ARGS] if splits else []
             given = [nnx.merge(g, s) for (g, _), s in zip(splits, states, strict=True)]
-            a, k = _objects_in((a, k), given)
+            a, k = objects_in((a, k), given)
             out = call(copy, *a, **k)
             if not stateful:
                 return out
@@ -102,33 +103,6 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
 
 
 NNX_ARGS = "nnx_args"  # the key NNX objects passed to a call travel under through the hook
-
-
-class _Passed:
-    """Where an NNX object stood in a call's arguments (it travels as state, see `handle`)."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def _objects_out(tree):
-    """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
-    passed: list = []
-    for i, x in enumerate(leaves):
-        if isinstance(x, nnx.Pytree):
-            leaves[i] = _Passed(len(passed))
-            passed.append(x)
-    return jax.tree_util.tree_unflatten(treedef, leaves), passed
-
-
-def _objects_in(tree, objects: list):
-    """`tree` with each `_Passed` replaced by its object from `objects`."""
-    return jax.tree_util.tree_map(
-        lambda x: objects[x.index] if isinstance(x, _Passed) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, _Passed),
-    )
 
 
 def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:

@@ -109,3 +109,31 @@ def _check_no_objects_after(rest: tuple) -> None:
             "would update a copy and drop its changes: pass every NNX object before the "
             "batch, e.g. step(model, optimizer, metrics, batch)."
         )
+
+
+class _Passed:
+    """Where an NNX object stood in a model call's arguments (it travels as state through the
+    per-device hook, `model_calls.nnx_calls_hooked`)."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def objects_out(tree):
+    """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    passed: list = []
+    for i, x in enumerate(leaves):
+        if isinstance(x, nnx.Pytree):
+            leaves[i] = _Passed(len(passed))
+            passed.append(x)
+    return jax.tree_util.tree_unflatten(treedef, leaves), passed
+
+
+def objects_in(tree, objects: list):
+    """`tree` with each `_Passed` replaced by its object from `objects`."""
+    return jax.tree_util.tree_map(
+        lambda x: objects[x.index] if isinstance(x, _Passed) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, _Passed),
+    )
