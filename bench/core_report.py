@@ -103,7 +103,8 @@ def main(argv=None):
     )
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "jax": jax.__version__, "rows": rows}, f, indent=1)
+        kept = {k: v for k, v in vars(args).items() if k != "out"}  # no path of this machine
+        json.dump({"args": kept, "jax": jax.__version__, "rows": rows}, f, indent=1)
     print(f"wrote {args.out}")
 
 

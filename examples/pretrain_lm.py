@@ -36,7 +36,11 @@ def parse(argv=None):
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--log-dir", default="runs/pretrain_lm")
-    p.add_argument("--ckpt-dir", help="save here every --save-every steps; resume from it")
+    p.add_argument(
+        "--ckpt-dir",
+        help="save here every --save-every steps and resume from it (default: LOG_DIR/ckpt; "
+        "'none': no checkpoints)",
+    )
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--data", help="text files / globs, or one uint16 .bin/.npy token file")
     p.add_argument("--seed", type=int, default=0)
@@ -48,7 +52,12 @@ def parse(argv=None):
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     p.add_argument("--cluster", action="store_true", help="jax.distributed auto-detection")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.ckpt_dir is None:  # checkpoints by default, beside the logs
+        args.ckpt_dir = os.path.join(args.log_dir, "ckpt")
+    elif args.ckpt_dir.lower() == "none":
+        args.ckpt_dir = None
+    return args
 
 
 def learning_rate(state, position: int, schedule) -> float:
@@ -97,13 +106,14 @@ def peak_flops(args) -> float | None:
 class Logger:
     """metrics.jsonl always; TensorBoard events and a PNG plot when their packages exist."""
 
-    def __init__(self, log_dir: str, main: bool):
+    def __init__(self, log_dir: str, main: bool, resumed: bool):
         self.main, self.log_dir, self.records = main, log_dir, []
         self.tb = None
         if not main:
             return
         os.makedirs(log_dir, exist_ok=True)
-        self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a")
+        # a resumed run continues the records; a new one starts them again
+        self.jsonl = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resumed else "w")
         try:
             from tensorboardX import SummaryWriter
 
@@ -147,7 +157,7 @@ class Logger:
                     *zip(*pts, strict=True), label=key, marker="o" if key == "eval_loss" else None
                 )
         ax.set_xlabel("step")
-        ax.set_ylabel("nats / token")
+        ax.set_ylabel("nats / byte")
         ax.legend()
         fig.savefig(os.path.join(self.log_dir, "loss.png"), dpi=100)
         print(f"plot: {os.path.join(self.log_dir, 'loss.png')}")
@@ -281,7 +291,7 @@ def main(argv=None):
         f"{described.format(args=args)}, log {args.log_dir}"
     )
 
-    logger = Logger(args.log_dir, main_process)
+    logger = Logger(args.log_dir, main_process, resumed=start > 0)
     eval_loss = jax.jit(
         lambda p, t: optax.softmax_cross_entropy_with_integer_labels(
             model.apply({"params": p}, t[:, :-1]), t[:, 1:]

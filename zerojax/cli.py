@@ -38,6 +38,7 @@ def plan_parser(sub) -> None:
         "plan",
         help="per-device memory and communication of each ZeRO stage",
         description=__doc__.split("\n\n")[2].replace("\n", " "),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows each default
     )
     p.add_argument("--preset", default="tiny", help="example LM preset (tiny ... 7b)")
     p.add_argument("--devices", type=int, default=8, help="data-parallel devices N")

@@ -132,7 +132,7 @@ def replication_warnings(plans, cfg: ZeroConfig, shard_size: int, device_count: 
         where = (
             "JAX sees one device: to simulate N CPU devices set XLA_FLAGS="
             "--xla_force_host_platform_device_count=N before jax is imported; on GPUs check "
-            "CUDA_VISIBLE_DEVICES; across hosts start with `python -m zerojax.launch`"
+            "CUDA_VISIBLE_DEVICES; across hosts start with `zerojax launch`"
             if device_count == 1
             else f"JAX sees {device_count} devices but this zero splits over one: pass a "
             "mesh over more of them, or a larger mics_shard_size"
