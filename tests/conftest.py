@@ -51,6 +51,7 @@ QUICK_TESTS = (
     "test_rules.py::test_user_rules_by_path_regex",
     "test_rules.py::test_optimizer_state_follows_its_parameter",
     "test_rules.py::test_stage_placement_by_category",
+    "test_tpu_compile.py::test_without_libtpu_the_error_names_the_extra",
 )
 
 

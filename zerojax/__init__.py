@@ -8,7 +8,7 @@ from zerojax.config import ZeroConfig, ZeroError  # noqa: E402
 from zerojax.ds_optimizer import optimizer_from_config  # noqa: E402
 from zerojax.engine import ZeroShard, zero_shard  # noqa: E402
 from zerojax.errors import ZeroWarning  # noqa: E402
-from zerojax.mesh import make_mesh  # noqa: E402
+from zerojax.mesh import make_mesh, tpu_devices  # noqa: E402
 from zerojax.step import ZeroStep  # noqa: E402
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ZeroStep",
     "ZeroWarning",
     "make_mesh",
+    "tpu_devices",
     "optimizer_from_config",
     "zero_shard",
 ]

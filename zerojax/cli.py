@@ -41,7 +41,18 @@ def plan_parser(sub) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows each default
     )
     p.add_argument("--preset", default="tiny", help="example LM preset (tiny ... 7b)")
-    p.add_argument("--devices", type=int, default=8, help="data-parallel devices N")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="data-parallel devices N (default: 8; with --topology, its chip count)",
+    )
+    p.add_argument(
+        "--topology",
+        help="compile for a TPU slice instead of N simulated CPU devices, e.g. v5e:2x4 (8 "
+        "chips); needs libtpu: pip install 'zerojax[tpu]'. Nothing runs: the TPU compiler's "
+        "own program is measured",
+    )
     p.add_argument(
         "--mesh",
         help="NODESxLOCAL, e.g. 2x4: a ('node', 'local') mesh (counts "
@@ -100,8 +111,26 @@ ZEROPP = {
 }
 
 
-def plan(args) -> int:
-    local = _mesh_local(args)
+def _plan_devices(args) -> list:
+    """The devices `plan` compiles for: a TPU slice's abstract devices (--topology) or N
+    simulated CPU devices, with the CPU-only planning flags (`xla_flags.PLANNING`)."""
+    if args.topology:
+        import zerojax as zj
+
+        # only compiling: skip libtpu's TPU-VM metadata lookups (and their error lines), and
+        # let it load beside another process that holds it (e.g. a notebook)
+        os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+        os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        devices = zj.tpu_devices(args.topology)
+        if getattr(args, "devices", len(devices)) != len(devices):
+            raise zj.ZeroError(
+                f"--devices {args.devices} does not match --topology {args.topology}, which "
+                f"has {len(devices)} chips: leave --devices out."
+            )
+        args.devices = len(devices)
+        return devices
+    args.devices = getattr(args, "devices", 8)
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
     )
@@ -110,10 +139,24 @@ def plan(args) -> int:
 
     xla_flags.apply_planning_flags()
     import jax
+
+    return jax.devices()[: args.devices]
+
+
+def plan(args) -> int:
+    import zerojax as zj
+
+    try:
+        devices = _plan_devices(args)
+        local = _mesh_local(args)
+    except zj.ZeroError as e:
+        print(f"zerojax plan: {e}", file=sys.stderr)
+        return 2
+    import jax
     import jax.numpy as jnp
     import optax
 
-    import zerojax as zj
+    from zerojax import xla_flags
     from zerojax.budget import largest_fitting
     from zerojax.models.gpt import lm_units, make_init, train_step
     from zerojax.models.lm import LM, LM_PRESETS
@@ -161,9 +204,7 @@ def plan(args) -> int:
         group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
         zero = zj.zero_shard(
             config=cfg_z,
-            mesh=zj.make_mesh(
-                jax.devices()[: args.devices], local=group if group and group > 1 else None
-            ),
+            mesh=zj.make_mesh(devices, local=group if group and group > 1 else None),
         )
         state = zero.eval_shape(init_fn, jax.random.key(0))
         offload, zeropp = _offload_name(cfg_z), _zeropp_name(cfg_z)
@@ -195,6 +236,7 @@ def plan(args) -> int:
                 "zeropp": zeropp,
                 "precision": cfg_z.precision,
                 "mesh": dict(zero.mesh.shape),
+                "target": f"tpu {args.topology}" if args.topology else "cpu",
                 "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
                 "peak_bytes": rep.peak_bytes,
                 "peak_bound_bytes": rep.peak_bound_bytes,
@@ -220,7 +262,7 @@ def plan(args) -> int:
         print(json.dumps(rows, indent=1))
     else:
         _print_table(rows, args, cfg)
-        for name in xla_flags.PLANNING:
+        for name in xla_flags.PLANNING if not args.topology else ():
             print(f"XLA flag {name}: {xla_flags.effective()[name]}")
         if args.max_batch:
             _print_max_batch(rows, args)
@@ -242,6 +284,7 @@ def _print_table(rows, args, cfg) -> None:
         f"({'unrolled' if args.unrolled else 'scanned'}, remat {'off' if args.no_remat else 'on'}"
         f"), seq {cfg.seq_len}, {args.batch_size} sequence(s) per device, N = {args.devices}"
     )
+    print(f"compiled for {_target(args)}")
     cross = rows[0]["cross_node_bytes"] is not None
     print(
         f"{'stage':>5} {'offload':>15} {'ZeRO++':>12} {'at rest ' + unit:>11} "
@@ -278,6 +321,24 @@ def _print_table(rows, args, cfg) -> None:
                 else "none; add devices, lower the batch or sequence length"
             )
         )
+
+
+def _target(args) -> str:
+    """What `plan` compiled for, with the compiler's version (its figures depend on it)."""
+    import importlib.metadata
+
+    import jax
+
+    if args.topology:
+        libtpu = importlib.metadata.version("libtpu")
+        return (
+            f"TPU {args.topology} ({args.devices} chips), ahead of time by libtpu {libtpu} "
+            f"(jax {jax.__version__}): the TPU compiler's program, nothing run"
+        )
+    return (
+        f"{args.devices} simulated CPU devices (jax {jax.__version__}): XLA's CPU program, "
+        "which neither combines collectives nor overlaps them"
+    )
 
 
 def _device_peak(step, state, per_device: int, devices: int, seq_len: int) -> int:

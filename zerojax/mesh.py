@@ -40,3 +40,26 @@ def default_mesh(cfg) -> Mesh:
     if group > 1:
         return make_mesh(local=group)
     return make_mesh(axis=cfg.axis) if isinstance(cfg.axis, str) else make_mesh()
+
+
+def tpu_devices(topology: str) -> list:
+    """The abstract devices of a TPU slice such as 'v5e:2x4' (8 chips) or 'v4:2x2x2', from
+    libtpu with no TPU present: a mesh of them compiles a step ahead of time for that slice
+    (`zero.report`, `zerojax plan --topology`), nothing can run on them."""
+    import importlib.util
+
+    from jax.experimental import topologies
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise ZeroError(
+            f"compiling for the TPU topology {topology!r} needs libtpu, which is not installed: "
+            "pip install 'zerojax[tpu]' (it installs the libtpu release paired with your jax)."
+        )
+    try:
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    except Exception as e:  # libtpu's own message, whatever its type, names what it rejected
+        raise ZeroError(
+            f"libtpu could not describe the TPU topology {topology!r}: "
+            f"{str(e).splitlines()[0][:300]} A topology is a TPU generation and its chip "
+            "grid, e.g. 'v5e:2x4', 'v5e:4x4', 'v4:2x2x2'."
+        ) from None

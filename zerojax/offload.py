@@ -10,6 +10,8 @@ a remat policy around the model: matmul outputs saved for backward go to pinned 
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
@@ -49,6 +51,15 @@ def to_storage(state, shardings):
     )
 
 
+def _on_host(f):
+    """`f` computed by the host CPU. jax >= 0.12 asks where its outputs live (host: the new
+    state rests there, the master and updates are moved back explicitly); jax 0.10 takes the
+    compute type alone."""
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(f, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")(f)
+
+
 def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
     """`update(master, inner, grads)` (the user's optax step: new master, new state, updates)
     run by the host CPU on the offloaded master weights and optimizer state; gradients and the
@@ -62,7 +73,7 @@ def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
         lambda x, s: _put(x, s, HOST), (master, inner, grads, finite), shardings
     )
 
-    @compute_on("device_host")
+    @_on_host
     @jax.jit
     def run(master, inner, grads, finite):
         new_master, new_inner, updates = update(master, inner, grads)

@@ -78,10 +78,21 @@ def _arrays_bytes(text: str):
 
 def _groups(attrs: str, num_devices: int) -> list[list[int]]:
     """The device groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`,
-    source-target pairs of a permute, or all devices when it names none."""
+    mesh axes `mesh['node'=2,'local'=4] {'local'}` (device ids in mesh order), source-target
+    pairs of a permute, or all devices when it names none."""
     m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
     if m:
         return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
+        over = [a for a, _ in axes if f"'{a}'" in m.group(2)]
+        ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes])
+        order = [i for i, (a, _) in enumerate(axes) if a not in over] + [
+            i for i, (a, _) in enumerate(axes) if a in over
+        ]
+        size = math.prod(n for a, n in axes if a in over)
+        return ids.transpose(order).reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
     if m:
         dims = [int(d) for d in m.group(3).split(",")]
@@ -314,17 +325,24 @@ def _no_compilation_cache():
         compilation_cache.reset_cache()
 
 
+# The SPMD partitioner's pass: 'spmd-partitioning' in the CPU and GPU compilers, 'shardy-xla'
+# in the TPU compiler (which dumps no 'spmd-partitioning' module).
+_PARTITIONER = "spmd-partitioning|shardy-xla"
+
+
 def compile_with_partitioned_hlo(lowered, devices: int, param_shapes=()):
     """(compiled executable, text of the HLO module right after SPMD partitioning, the
     `peak.Peak` of the optimized module). On one device, where nothing is partitioned, the
     text is the compiled module's. JAX's persistent compilation cache is off for this one
     compile: an executable loaded from it was never compiled here, so XLA would dump nothing."""
     with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp, _no_compilation_cache():
-        compiled = lowered.compile(
-            {"xla_dump_to": tmp, "xla_dump_hlo_pass_re": "spmd-partitioning"}
-        )
+        compiled = lowered.compile({"xla_dump_to": tmp, "xla_dump_hlo_pass_re": _PARTITIONER})
         peak = explain_peak(tmp, param_shapes)
-        found = sorted(glob.glob(os.path.join(tmp, "*after_spmd-partitioning*.txt")))
+        found = sorted(
+            f
+            for f in glob.glob(os.path.join(tmp, "*.txt"))
+            if re.search(rf"after_({_PARTITIONER})\.", os.path.basename(f))
+        )
         if not found and devices == 1:
             return compiled, compiled.as_text(), peak  # one device: nothing to partition
         if not found:

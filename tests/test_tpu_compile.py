@@ -1,0 +1,93 @@
+"""Compiling for a TPU slice with no TPU present (libtpu, ahead of time): `zero.report` on a mesh
+of `zj.tpu_devices('v5e:2x4')` and `zerojax plan --topology` give the TPU compiler's per-device
+bytes, asserted against the ZeRO formulas (Ψ = parameters, N = 8, fp32 params and Adam: 4 bytes
+param + 8 optimizer per parameter at rest). The tests that compile need the `tpu` extra
+(`pip install 'zerojax[tpu]'`, which CI's newest lane installs); the error without it runs
+everywhere."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import optax
+import pytest
+from common import make_init, subprocess_env, train_step
+
+import zerojax as zj
+from zerojax.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab=256, d_model=256, n_layers=2, n_heads=8, seq_len=8)  # as test_report
+N = 8
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install 'zerojax[tpu]'; CI's newest lane has it)",
+)
+
+
+def test_without_libtpu_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(zj.ZeroError, match=r"pip install 'zerojax\[tpu\]'"):
+        zj.tpu_devices("v5e:2x4")
+
+
+@needs_libtpu
+def test_a_bad_topology_name_is_named():
+    with pytest.raises(zj.ZeroError, match="'v5e:3x3'.*e.g. 'v5e:2x4'"):
+        zj.tpu_devices("v5e:3x3")
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+    "stage,formula",
+    [
+        (0, lambda psi: 12 * psi),  # everything replicated
+        (3, lambda psi: 12 * psi / N),  # everything sharded
+    ],
+)
+def test_report_for_a_tpu_slice_follows_the_formulas(stage, formula):
+    zero = zj.zero_shard(stage=stage, mesh=zj.make_mesh(zj.tpu_devices("v5e:2x4")))
+    state = zero.eval_shape(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
+    psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+    tokens = jax.ShapeDtypeStruct((N, CFG.seq_len), "int32")  # one sequence per chip
+    batch = {"inputs": tokens, "targets": tokens}
+    rep = zero.report(zero(train_step), state, batch)
+    total = sum(rep.resident.values())
+    assert abs(total - formula(psi)) <= 0.02 * formula(psi) + rep.kept_replicated, (total, psi)
+    assert rep.peak_bytes > total and rep.peak is not None  # TPU live ranges were read
+    if stage == 0:  # one fp32 model of gradients, all-reduced
+        assert rep.bytes_of("all-reduce") == pytest.approx(4 * psi, rel=0.01)
+        return
+    blocks = sum(
+        x.size
+        for k, v in state.params.items()
+        if k.startswith("block_")
+        for x in jax.tree_util.tree_leaves(v)
+    )
+    # read from the TPU partitioner's module ('shardy-xla'), the same bytes as on CPU
+    # (test_report): blocks gathered in forward and backward, the rest once; fp32
+    assert rep.bytes_of("all-gather") == pytest.approx(4 * (psi + blocks), rel=0.01)
+    assert rep.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)
+
+
+@needs_libtpu
+def test_plan_for_a_tpu_topology_prints_every_stage():
+    run = lambda *args: subprocess.run(
+        [sys.executable, "-m", "zerojax.cli", "plan", "--preset", "tiny", "--no-offload", *args],
+        env=subprocess_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = run("--topology", "v5e:2x4", "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout)
+    assert [(r["stage"], r["target"]) for r in rows] == [(s, "tpu v5e:2x4") for s in range(4)]
+    psi = rows[0]["params"]
+    # bf16 params + fp32 master + Adam: 14Ψ at stage 0, 14Ψ/N at stage 3 (small leaves whole)
+    assert rows[0]["at_rest_bytes"] == pytest.approx(14 * psi, rel=1e-3)
+    assert rows[3]["at_rest_bytes"] == pytest.approx(14 * psi / N, rel=0.03)
+    assert all(r["comm_sent_bytes"] > 0 for r in rows)
+    wrong = run("--topology", "v5e:2x4", "--devices", "4")
+    assert wrong.returncode == 2 and "has 8 chips: leave --devices out" in wrong.stderr
