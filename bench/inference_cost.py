@@ -35,9 +35,9 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from zerojax.hlo import parse_collectives  # noqa: E402
 from zerojax.models.gpt import make_init  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
-from zerojax.report import parse_collectives  # noqa: E402
 
 PROMPT, BATCH = 8, 8  # tokens given, prompts decoded at once
 MiB = 2**20

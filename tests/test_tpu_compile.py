@@ -69,6 +69,16 @@ def test_report_for_a_tpu_slice_follows_the_formulas(stage, formula):
     # (test_report): blocks gathered in forward and backward, the rest once; fp32
     assert rep.bytes_of("all-gather") == pytest.approx(4 * (psi + blocks), rel=0.01)
     assert rep.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)
+    # the scheduled program (after the TPU's combiners) gathers the same elements, in bf16:
+    # at default matmul precision the TPU compiler converts the fp32 weights before gathering
+    # them (half the partitioned module's bytes); its async gathers run beside matmuls
+    gathered = [s.collective for s in rep.scheduled if s.collective.kind == "all-gather"]
+    size = {"bf16": 2, "f32": 4}
+    assert sum(c.buffer_bytes / size[c.dtype] for c in gathered) == rep.bytes_of("all-gather") / 4
+    assert sum(c.buffer_bytes for c in gathered) < rep.bytes_of("all-gather")
+    hidden, exposed = rep.overlap
+    assert 0 < hidden < hidden + exposed
+    assert hidden == sum(s.collective.sent_bytes for s in rep.scheduled if s.overlapped)
 
 
 @needs_libtpu
@@ -89,5 +99,6 @@ def test_plan_for_a_tpu_topology_prints_every_stage():
     assert rows[0]["at_rest_bytes"] == pytest.approx(14 * psi, rel=1e-3)
     assert rows[3]["at_rest_bytes"] == pytest.approx(14 * psi / N, rel=0.03)
     assert all(r["comm_sent_bytes"] > 0 for r in rows)
+    assert rows[3]["overlapped_sent_bytes"] > 0  # the TPU schedule overlaps stage 3's gathers
     wrong = run("--topology", "v5e:2x4", "--devices", "4")
     assert wrong.returncode == 2 and "has 8 chips: leave --devices out" in wrong.stderr

@@ -12,9 +12,9 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.comm.quant import dequantize, quantize, quantized_all_gather, quantized_reduce_scatter
+from zerojax.hlo import parse_collectives
 from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS, param_count
-from zerojax.report import parse_collectives
 
 CFG = LM_PRESETS["tiny"].replace(vocab=203, d_model=64, n_heads=4, d_ff=176, n_layers=2, seq_len=16)
 AXES = ("node", "local")

@@ -3,10 +3,8 @@
 Memory: `compiled.memory_analysis()` per device, plus the state's resident bytes on device 0
 summed from its live shards by category. Communication: every collective of the HLO module
 right after SPMD partitioning (dumped during compilation), where each collective still has the
-dtype the program sends (the CPU compiler later upcasts 16-bit collectives to f32), with the
-bytes of the full buffer it works on and the bytes one device sends for it under the usual ring
-algorithms (all-reduce 2(g-1)/g of the buffer, all-gather / reduce-scatter / all-to-all
-(g-1)/g, collective-permute all of it), g being the replica-group size.
+dtype the program sends (the CPU compiler later upcasts 16-bit collectives to f32), counted by
+`hlo.parse_collectives`; what the accelerator's schedule overlaps, by `schedule`.
 """
 
 from __future__ import annotations
@@ -15,166 +13,20 @@ import collections
 import contextlib
 import dataclasses
 import glob
-import math
 import os
 import re
 import tempfile
 
 import jax
-import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax import xla_flags
 from zerojax.describe import leaf_rows
+from zerojax.hlo import parse_collectives
 from zerojax.peak import Peak, explain_peak
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
+from zerojax.schedule import overlap_bytes, scheduled_collectives
 from zerojax.state import split_call
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# HLO array types: pred, or a kind (s, u, f, bf) and a width in bits (s4 ... f64)
-_DTYPE = r"pred|bf16|[suf]\d+"
-_OP = re.compile(
-    r"=\s*(?P<result>\(.*?\)|\S+)\s+(?P<op>"
-    + "|".join(COLLECTIVES)
-    + r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
-)
-_ARRAY = re.compile(rf"\b({_DTYPE})\[([\d,]*)\]")
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective instruction of the compiled program."""
-
-    kind: str
-    dtype: str
-    buffer_bytes: int  # the full buffer: all-reduce operand, all-gather output, RS input
-    group_size: int
-    cross_node: bool = False  # a replica group spans two nodes of a ('node', 'local') mesh
-
-    @property
-    def sent_bytes(self) -> float:
-        """Bytes one device sends for it under ring algorithms."""
-        g = self.group_size
-        if g <= 1:
-            return 0.0
-        factor = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(
-            self.kind, (g - 1) / g
-        )
-        return self.buffer_bytes * factor
-
-
-def _itemsize(dtype: str) -> float:
-    """Bytes per element of an HLO array type ('s4': half a byte)."""
-    return 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) / 8
-
-
-def _arrays_bytes(text: str):
-    """(dtype, bytes) of every array type in an HLO shape string."""
-    return [
-        (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dt)))
-        for dt, dims in _ARRAY.findall(text)
-    ]
-
-
-def _groups(attrs: str, num_devices: int) -> list[list[int]]:
-    """The device groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`,
-    mesh axes `mesh['node'=2,'local'=4] {'local'}` (device ids in mesh order), source-target
-    pairs of a permute, or all devices when it names none."""
-    m = re.search(r"(?:replica_groups|source_target_pairs)=\{(\{[\d,{}]*\})\}", attrs)
-    if m:
-        return [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
-    if m:
-        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        over = [a for a, _ in axes if f"'{a}'" in m.group(2)]
-        ids = np.arange(math.prod(n for _, n in axes)).reshape([n for _, n in axes])
-        order = [i for i, (a, _) in enumerate(axes) if a not in over] + [
-            i for i, (a, _) in enumerate(axes) if a in over
-        ]
-        size = math.prod(n for a, n in axes if a in over)
-        return ids.transpose(order).reshape(-1, size).tolist()
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
-    if m:
-        dims = [int(d) for d in m.group(3).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if m.group(4):
-            ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-        return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
-    return [list(range(num_devices))]
-
-
-def _collectives_in(line: str, num_devices: int, local: int) -> list[Collective]:
-    m = _OP.search(line)
-    if not m:
-        return []
-    groups = _groups(m.group("attrs"), num_devices)
-    kind = m.group("op")
-    group = 2 if kind == "collective-permute" else len(groups[0])
-    cross = any(len({i // local for i in g}) > 1 for g in groups)
-    results = _arrays_bytes(m.group("result"))
-    if m.group("start") and kind == "all-gather":  # result tuple is (operands, outputs)
-        results = results[len(results) // 2 :]
-    # Read from the results: a reduce-scatter's full buffer is g times its result.
-    arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
-    return [Collective(kind, dtype, nbytes, group, cross) for dtype, nbytes in arrays]
-
-
-_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
-_CALLS = re.compile(r"(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-def _trip_count(line: str, condition: list[str]) -> int:
-    """Iterations of a while loop: XLA's known_trip_count, else the bound of the `i < N`
-    compare in a JAX-style (scan / fori_loop) condition, else 1."""
-    m = _TRIP.search(line)
-    if m:
-        return int(m.group(1))
-    consts = [int(c) for text in condition for c in re.findall(r"s32\[\] constant\((\d+)\)", text)]
-    lt = any("direction=LT" in text for text in condition)
-    return consts[0] if lt and len(consts) == 1 else 1
-
-
-def parse_collectives(
-    hlo_text: str, num_devices: int, local: int | None = None
-) -> list[Collective]:
-    """Every collective an HLO module executes, as often as it executes: collectives inside a
-    while loop (a scanned layer stack) count once per iteration. Async `-start` halves count
-    once, `-done` halves not at all. `local`: devices per node (device ids in mesh order), to
-    mark the collectives whose groups cross nodes; None: one node."""
-    local = local or num_devices
-    computations: dict[str, list[str]] = {}
-    entry, name = None, None
-    for line in hlo_text.splitlines():
-        m = _COMPUTATION.match(line)
-        if m and not line[:1].isspace():  # headers start in column 0, instructions not
-            name = m.group(2)
-            computations[name] = []
-            entry = name if m.group(1) else entry
-        elif name is not None:
-            computations[name].append(line)
-
-    def walk(comp: str, seen: tuple) -> list[Collective]:
-        found = []
-        for line in computations.get(comp, []):
-            found += _collectives_in(line, num_devices, local)
-            loop = _WHILE.search(line)
-            if loop and loop.group(2) not in seen:
-                trips = _trip_count(line, computations.get(loop.group(1), []))
-                found += walk(loop.group(2), seen + (comp,)) * trips
-                continue
-            for m in _CALLS.finditer(line):
-                for callee in re.split(r",\s*%?", m.group(1)):
-                    if callee in computations and callee not in seen:
-                        found += walk(callee, seen + (comp,))
-        return found
-
-    if entry is None:  # a bare list of instructions (no computations)
-        return [
-            c for line in hlo_text.splitlines() for c in _collectives_in(line, num_devices, local)
-        ]
-    return walk(entry, ())
 
 
 @dataclasses.dataclass
@@ -194,6 +46,9 @@ class Report:
     temp_bytes: int
     collectives: list
     peak: Peak | None = None  # what is alive at the compiled peak (XLA's live ranges)
+    # the collectives of the compiled (scheduled) program, each overlapped with a matmul or
+    # exposed (`schedule`): after the compiler's combiners; on CPU every one is exposed
+    scheduled: list = dataclasses.field(default_factory=list)
     xla_flags: dict = dataclasses.field(default_factory=dict)  # zerojax's defaults in force
 
     @property
@@ -231,6 +86,12 @@ class Report:
         """Bytes one device sends per step in collectives whose groups span two nodes (all of a
         collective's bytes count when its group does; 0 on a one-node mesh)."""
         return sum(c.sent_bytes for c in self.collectives if c.cross_node)
+
+    @property
+    def overlap(self) -> tuple[float, float]:
+        """(bytes one device sends per step in collectives the compiled schedule overlaps with
+        a matmul, in exposed ones)."""
+        return overlap_bytes(self.scheduled)
 
     def bytes_of(self, kind: str) -> int:
         return sum(c.buffer_bytes for c in self.collectives if c.kind == kind)
@@ -275,6 +136,11 @@ class Report:
             )
         if not self.collectives:
             lines.append("  (none)")
+        hidden, exposed = self.overlap
+        lines.append(
+            f"compiled schedule: {len(self.scheduled)} collectives, {mb(hidden).strip()} MiB sent "
+            f"while a matmul runs (overlapped), {mb(exposed).strip()} MiB exposed"
+        )
         if self.peak is not None:
             lines.append(self.peak.format(top=5).rstrip())
         for name, value in self.xla_flags.items():
@@ -392,6 +258,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
                 f.write(text)
     local = dict(zero.mesh.shape).get("local")  # devices per node on a ('node', 'local') mesh
     collectives = parse_collectives(hlo, zero.axis_size, local)
+    scheduled = scheduled_collectives(compiled.as_text(), zero.axis_size, local)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
@@ -399,6 +266,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
             step.lower(state, batch, *extra, micro=True), zero.mesh.size, shapes
         )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
+        scheduled += scheduled_collectives(micro.as_text(), zero.axis_size, local) * (k - 1)
         if int(micro.memory_analysis().temp_size_in_bytes) > temp:
             temp, peak = int(micro.memory_analysis().temp_size_in_bytes), micro_peak
     resident, host, kept = resident_bytes(zero, tree)
@@ -427,6 +295,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         alias_bytes=int(mem.alias_size_in_bytes),
         temp_bytes=temp,
         collectives=collectives,
+        scheduled=scheduled,
         peak=peak,
         xla_flags=xla_flags.effective(),
     )

@@ -1,0 +1,134 @@
+"""Which collectives the compiled schedule hides behind compute, read from the scheduled module.
+
+An accelerator compiler splits a collective into a start and a done and schedules other work
+between them; the collective is *overlapped* when a matmul (a `dot` or `convolution`, directly
+or inside a fusion, loop or call) is scheduled between its start and its done, and *exposed*
+otherwise: a synchronous collective always is. This reads XLA's async pairs (`all-gather-start`
+/ `all-gather-done`, `async-start` / `async-done`) and the TPU compiler's
+(`async-collective-start.N` / `async-collective-done.N` fusions, whose matmuls may be fused with
+the collective's steps). XLA's CPU compiler schedules every collective synchronously, so on CPU
+everything is exposed: the figure means something for a GPU or TPU program (`zerojax plan
+--topology`). Collectives inside a while loop count once per iteration, as in `report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+from zerojax.hlo import COLLECTIVES, Collective, collectives_in, split_computations, trip_count
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPNAME = re.compile(r"\s([a-z][a-z0-9_\-]*)\(")
+_CALLEE = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_MATMUL = ("dot", "convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One collective of the scheduled program, and whether a matmul runs while it does."""
+
+    collective: Collective
+    overlapped: bool
+
+
+def _op(text: str) -> str:
+    """The opcode of an instruction's right-hand side (after its result type)."""
+    m = _OPNAME.search(" " + text)
+    return m.group(1) if m else ""
+
+
+def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = None):
+    """Every collective the scheduled module runs (once per loop iteration), each marked
+    overlapped or exposed."""
+    local = local or num_devices
+    comps, entry = split_computations(hlo_text)
+
+    @functools.cache
+    def has_matmul(comp: str) -> bool:
+        for line in comps.get(comp, ()):
+            m = _INSTR.match(line)
+            if m and (_op(m.group(2)) in _MATMUL or any(map(has_matmul, _callees(line)))):
+                return True
+        return False
+
+    def _callees(line: str) -> list[str]:
+        return [c for c in _CALLEE.findall(line) if c in comps]
+
+    def inner(line: str) -> list[Collective]:
+        """The collective an async start runs: on its own line, or first in the computation
+        it calls (XLA's async-start, the TPU compiler's start fusion)."""
+        found = collectives_in(line, num_devices, local)
+        for callee in _callees(line) if not found else ():
+            for callee_line in comps[callee]:
+                if found := collectives_in(callee_line, num_devices, local):
+                    return found
+        return found
+
+    def every_collective(comp: str) -> list[Collective]:
+        """The collectives of a fused computation. The TPU compiler's 'all-reduce-scatter'
+        fusion combines reduce-scatters into one all-reduce whose result it slices: it runs
+        the reduce-scatter half, and is counted as the reduce-scatter it is."""
+        found = [c for line in comps[comp] for c in collectives_in(line, num_devices, local)]
+        if comp.startswith("all-reduce-scatter"):
+            found = [dataclasses.replace(c, kind="reduce-scatter") for c in found]
+        return found
+
+    def walk(comp: str, seen: tuple) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        pending: dict[str, tuple[list[Collective], list[bool]]] = {}
+        for line in comps.get(comp, ()):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, rhs = m.groups()
+            op = _op(rhs)
+            tpu_start = name.startswith("async-collective-start")
+            if op.endswith("-start") or tpu_start:
+                found = inner(line)
+                if found:
+                    pending[name] = (found, [False])
+                    continue
+            if op.endswith("-done") or name.startswith("async-collective-done"):
+                operand = re.search(r"-done\(%?([\w.\-]+)", rhs)
+                key = (
+                    name.replace("-done", "-start")
+                    if name.startswith("async-collective-done")
+                    else operand and operand.group(1)
+                )
+                if key in pending:
+                    found, saw = pending.pop(key)
+                    out += [Scheduled(c, saw[0]) for c in found]
+                    continue
+            if op in COLLECTIVES:  # synchronous: nothing runs beside it
+                out += [Scheduled(c, False) for c in collectives_in(line, num_devices, local)]
+                continue
+            if op == "fusion":  # collectives fused synchronously, e.g. TPU's reduce-scatters
+                for callee in _callees(line):
+                    if not callee.startswith("async_collective"):  # not an in-flight one's step
+                        out += [Scheduled(c, False) for c in every_collective(callee)]
+            loop = _WHILE.search(rhs) if op == "while" else None
+            if loop and loop.group(2) not in seen:
+                trips = trip_count(line, comps.get(loop.group(1), []))
+                out += walk(loop.group(2), seen + (comp,)) * trips
+            elif op in ("call", "conditional"):
+                for callee in _callees(line):
+                    if callee not in seen:
+                        out += walk(callee, seen + (comp,))
+            if op in _MATMUL or any(map(has_matmul, _callees(line))):
+                for _, saw in pending.values():
+                    saw[0] = True
+        # a start whose done this computation does not hold (e.g. across a loop boundary):
+        # counted, as exposed (nothing here is known to run beside it)
+        out += [Scheduled(c, False) for found, _ in pending.values() for c in found]
+        return out
+
+    return walk(entry, ()) if entry else []
+
+
+def overlap_bytes(scheduled: list[Scheduled]) -> tuple[float, float]:
+    """(bytes one device sends in overlapped collectives, in exposed ones) per step."""
+    hidden = sum(s.collective.sent_bytes for s in scheduled if s.overlapped)
+    return hidden, sum(s.collective.sent_bytes for s in scheduled) - hidden
