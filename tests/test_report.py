@@ -61,15 +61,20 @@ def test_stages_1_and_2_reduce_scatter_the_gradients(stage):
     assert rep.sent_bytes == pytest.approx(2 * (N - 1) / N * 4 * psi, rel=0.05)
 
 
-def test_stage_3_gathers_parameters_and_reduce_scatters_gradients():
-    rep, psi = report(3)
-    state = jax.eval_shape(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
-    blocks = sum(
+def block_params(params) -> int:
+    """Parameters of the GPT's blocks (its stage-3 units), gathered twice per step."""
+    return sum(
         x.size
-        for k, v in state.params.items()
+        for k, v in params.items()
         if k.startswith("block_")
         for x in jax.tree_util.tree_leaves(v)
     )
+
+
+def test_stage_3_gathers_parameters_and_reduce_scatters_gradients():
+    rep, psi = report(3)
+    state = jax.eval_shape(make_init(optax.adam(1e-3), GPT(CFG), CFG), jax.random.key(0))
+    blocks = block_params(state.params)
     # the blocks are units (units="auto"): gathered in forward and again in backward; the
     # embedding and head once. fp32: 4 bytes x (Ψ + Ψ_blocks)
     assert rep.bytes_of("all-gather") == pytest.approx(4 * (psi + blocks), rel=0.01)

@@ -14,12 +14,11 @@ import jax
 import optax
 import pytest
 from common import make_init, subprocess_env, train_step
+from test_report import CFG, N, block_params  # the same model and formulas
 
 import zerojax as zj
-from zerojax.models import GPT, GPTConfig
+from zerojax.models import GPT
 
-CFG = GPTConfig(vocab=256, d_model=256, n_layers=2, n_heads=8, seq_len=8)  # as test_report
-N = 8
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
     reason="libtpu is not installed (pip install 'zerojax[tpu]'; CI's newest lane has it)",
@@ -59,12 +58,7 @@ def test_report_for_a_tpu_slice_follows_the_formulas(stage, formula):
     if stage == 0:  # one fp32 model of gradients, all-reduced
         assert rep.bytes_of("all-reduce") == pytest.approx(4 * psi, rel=0.01)
         return
-    blocks = sum(
-        x.size
-        for k, v in state.params.items()
-        if k.startswith("block_")
-        for x in jax.tree_util.tree_leaves(v)
-    )
+    blocks = block_params(state.params)
     # read from the TPU partitioner's module ('shardy-xla'), the same bytes as on CPU
     # (test_report): blocks gathered in forward and backward, the rest once; fp32
     assert rep.bytes_of("all-gather") == pytest.approx(4 * (psi + blocks), rel=0.01)
