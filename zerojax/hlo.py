@@ -59,7 +59,7 @@ def _arrays_bytes(text: str):
     ]
 
 
-def _groups(attrs: str, num_devices: int) -> list[list[int]]:
+def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     """The device groups of a collective: explicit `{{0,1},{2,3}}`, iota `[2,4]<=[4,2]T(1,0)`,
     mesh axes `mesh['node'=2,'local'=4] {'local'}` (device ids in mesh order), source-target
     pairs of a permute, or all devices when it names none."""
@@ -90,7 +90,7 @@ def collectives_in(line: str, num_devices: int, local: int) -> list[Collective]:
     m = _OP.search(line)
     if not m:
         return []
-    groups = _groups(m.group("attrs"), num_devices)
+    groups = replica_groups(m.group("attrs"), num_devices)
     kind = m.group("op")
     group = 2 if kind == "collective-permute" else len(groups[0])
     cross = any(len({i // local for i in g}) > 1 for g in groups)

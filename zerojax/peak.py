@@ -183,7 +183,8 @@ def _argument_allocations(lines) -> tuple[dict, dict]:
     argument's allocation, {allocation: bytes})."""
     values, sizes, current = {}, {}, None
     for line in lines:
-        if m := re.match(r"^allocation (\d+): size (\d+), parameter \d+", line):
+        # jax 0.12's XLA adds a page: "allocation 0: size 32768, page 0, parameter 4, ..."
+        if m := re.match(r"^allocation (\d+): size (\d+),(?: page \d+,)? parameter \d+", line):
             current = int(m.group(1))
             sizes[current] = int(m.group(2))
         elif line.startswith("allocation"):
