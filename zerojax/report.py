@@ -249,16 +249,17 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     compiled, hlo, peak = compile_with_partitioned_hlo(
         step.lower(state, batch, *extra), zero.mesh.size, shapes
     )
+    optimized = compiled.as_text()  # the scheduled program: dumped, and read for overlap
     if dump_to:
         for suffix, text in (
             (".partitioned.hlo.txt", hlo),
-            (".optimized.hlo.txt", compiled.as_text()),
+            (".optimized.hlo.txt", optimized),
         ):
             with open(dump_to + suffix, "w") as f:
                 f.write(text)
     local = dict(zero.mesh.shape).get("local")  # devices per node on a ('node', 'local') mesh
     collectives = parse_collectives(hlo, zero.axis_size, local)
-    scheduled = scheduled_collectives(compiled.as_text(), zero.axis_size, local)
+    scheduled = scheduled_collectives(optimized, zero.axis_size, local)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:

@@ -46,6 +46,9 @@ def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = N
     local = local or num_devices
     comps, entry = split_computations(hlo_text)
 
+    def _callees(line: str) -> list[str]:
+        return [c for c in _CALLEE.findall(line) if c in comps]
+
     @functools.cache
     def has_matmul(comp: str) -> bool:
         for line in comps.get(comp, ()):
@@ -54,18 +57,16 @@ def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = N
                 return True
         return False
 
-    def _callees(line: str) -> list[str]:
-        return [c for c in _CALLEE.findall(line) if c in comps]
-
     def inner(line: str) -> list[Collective]:
         """The collective an async start runs: on its own line, or first in the computation
         it calls (XLA's async-start, the TPU compiler's start fusion)."""
-        found = collectives_in(line, num_devices, local)
-        for callee in _callees(line) if not found else ():
+        if found := collectives_in(line, num_devices, local):
+            return found
+        for callee in _callees(line):
             for callee_line in comps[callee]:
                 if found := collectives_in(callee_line, num_devices, local):
                     return found
-        return found
+        return []
 
     def every_collective(comp: str) -> list[Collective]:
         """The collectives of a fused computation. The TPU compiler's 'all-reduce-scatter'
@@ -78,18 +79,17 @@ def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = N
 
     def walk(comp: str, seen: tuple) -> list[Scheduled]:
         out: list[Scheduled] = []
-        pending: dict[str, tuple[list[Collective], list[bool]]] = {}
+        pending: dict[str, list[Collective]] = {}  # started, not done: by start name
+        beside_matmul: set[str] = set()  # of those, the ones a matmul was scheduled after
         for line in comps.get(comp, ()):
             m = _INSTR.match(line)
             if not m:
                 continue
             name, rhs = m.groups()
             op = _op(rhs)
-            tpu_start = name.startswith("async-collective-start")
-            if op.endswith("-start") or tpu_start:
-                found = inner(line)
-                if found:
-                    pending[name] = (found, [False])
+            if op.endswith("-start") or name.startswith("async-collective-start"):
+                if found := inner(line):
+                    pending[name] = found
                     continue
             if op.endswith("-done") or name.startswith("async-collective-done"):
                 operand = re.search(r"-done\(%?([\w.\-]+)", rhs)
@@ -99,8 +99,7 @@ def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = N
                     else operand and operand.group(1)
                 )
                 if key in pending:
-                    found, saw = pending.pop(key)
-                    out += [Scheduled(c, saw[0]) for c in found]
+                    out += [Scheduled(c, key in beside_matmul) for c in pending.pop(key)]
                     continue
             if op in COLLECTIVES:  # synchronous: nothing runs beside it
                 out += [Scheduled(c, False) for c in collectives_in(line, num_devices, local)]
@@ -118,11 +117,10 @@ def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = N
                     if callee not in seen:
                         out += walk(callee, seen + (comp,))
             if op in _MATMUL or any(map(has_matmul, _callees(line))):
-                for _, saw in pending.values():
-                    saw[0] = True
+                beside_matmul |= pending.keys()
         # a start whose done this computation does not hold (e.g. across a loop boundary):
         # counted, as exposed (nothing here is known to run beside it)
-        out += [Scheduled(c, False) for found, _ in pending.values() for c in found]
+        out += [Scheduled(c, False) for found in pending.values() for c in found]
         return out
 
     return walk(entry, ()) if entry else []
