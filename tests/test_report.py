@@ -3,12 +3,13 @@ gradient-memory saving, each asserted against its ZeRO formula (Ψ = parameter c
 N = 8 devices, fp32 params and Adam: 4 bytes param + 4 grad + 8 optimizer per parameter)."""
 
 import jax
+import jax.numpy as jnp
 import optax
 import pytest
 from common import batches, make_init, train_step
 
 import zerojax as zj
-from zerojax.hlo import parse_collectives
+from zerojax.hlo import matmul_flops, parse_collectives
 from zerojax.models import GPT, GPTConfig
 
 # Model state dominates activations here (seq 8, one sequence per device), as in the regime
@@ -152,6 +153,73 @@ def test_collectives_in_a_loop_count_once_per_iteration():
     assert sorted((c.kind, c.buffer_bytes) for c in found) == [("all-gather", 64 * 16 * 4)] * 6 + [
         ("all-reduce", 16)
     ]
+
+
+MATMUL_HLO = """
+%fused (param_0: f32[8,16], param_1: f32[16,32]) -> f32[8,32] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,32]{1,0} constant({...})
+  %f = f32[8,32]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused
+  %k = bf16[3,3,16,4]{3,2,1,0:T(8,128)(2,1)} parameter(1)
+  %i = bf16[2,10,10,16]{3,2,1,0} get-tuple-element(%p), index=2
+  %conv = f32[2,8,8,4]{3,2,1,0:T(8,128)} convolution(%i, %k), window={size=3x3}, dim_labels=b01f_01io->b01f
+}
+
+%cond (p: (s32[], f32[8,16])) -> pred[] {
+  %c = s32[]{:T(128)} constant(6)
+  ROOT %lt = pred[] compare(s32[] %i, s32[] %c), direction=LT
+}
+
+ENTRY %main (a: f32[8,16]) -> f32[8,16] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %w = (s32[], f32[8,16]) while(%t), condition=%cond, body=%body
+  %d = f32[4,4]{1,0} dot(%a, %a), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_matmul_flops_count_each_loop_iteration_and_fused_or_convolution_matmuls():
+    dot = 2 * 8 * 32 * 16  # 2 x output elements x contracting dimension
+    conv = 2 * (2 * 8 * 8 * 4) * (3 * 3 * 16)  # kernel elements per output feature: 3x3x16
+    entry = 2 * 4 * 4 * 8
+    assert matmul_flops(MATMUL_HLO) == 6 * (dot + conv) + entry
+
+
+def test_matmul_flops_of_a_scanned_step_count_every_layer():
+    def loss(w, x):
+        y, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+        return (y**2).sum()
+
+    w, x = jnp.ones((3, 256, 256)), jnp.ones((64, 256))
+    compiled = jax.jit(jax.grad(loss)).lower(w, x).compile()
+    # 3 layers x (forward, input gradient, weight gradient) x 2 x 64 x 256 x 256
+    assert matmul_flops(compiled.as_text()) == 3 * 3 * 2 * 64 * 256 * 256
+
+
+def test_matmul_flops_per_device_add_up_to_the_plain_steps():
+    """Each device computes 1/N of a plain jit step's matmuls at stage 0 and, with
+    recompute_units=False, at stage 3; by default stage 3 recomputes each unit's forward for
+    its backward, and the report shows the extra."""
+    init = make_init(optax.adam(1e-3), GPT(CFG), CFG)
+    batch = batches(1, batch_size=N, cfg=CFG)[0]
+    plain = matmul_flops(
+        jax.jit(train_step)
+        .lower(jax.eval_shape(init, jax.random.key(0)), batch)
+        .compile()
+        .as_text()
+    )
+    zero = zj.zero_shard(stage=3, recompute_units=False)
+    kept = zero.report(zero(train_step), zero.eval_shape(init, jax.random.key(0)), batch)
+    assert report(0)[0].matmul_flops * N == plain
+    assert kept.matmul_flops * N == plain
+    assert report(3)[0].matmul_flops * N > 1.1 * plain  # each unit's forward once more
+    assert "GFLOP per device per step" in str(kept)
 
 
 def test_report_on_one_device_has_nothing_to_partition_and_sends_nothing():

@@ -14,7 +14,7 @@ import jax
 import optax
 import pytest
 from common import make_init, subprocess_env, train_step
-from test_report import CFG, N, block_params  # the same model and formulas
+from test_report import CFG, N, block_params, report  # the same model and formulas
 
 import zerojax as zj
 from zerojax.models import GPT
@@ -55,11 +55,13 @@ def test_report_for_a_tpu_slice_follows_the_formulas(stage, formula):
     total = sum(rep.resident.values())
     assert abs(total - formula(psi)) <= 0.02 * formula(psi) + rep.kept_replicated, (total, psi)
     assert rep.peak_bytes > total and rep.peak is not None  # TPU live ranges were read
+    # the partitioned module's matmuls: the same FLOPs per chip as per CPU device (test_report)
+    assert rep.matmul_flops == report(stage)[0].matmul_flops > 0
     if stage == 0:  # one fp32 model of gradients, all-reduced
         assert rep.bytes_of("all-reduce") == pytest.approx(4 * psi, rel=0.01)
         return
     blocks = block_params(state.params)
-    # read from the TPU partitioner's module ('shardy-xla'), the same bytes as on CPU
+    # read from the TPU partitioner's module, the same bytes as on CPU
     # (test_report): blocks gathered in forward and backward, the rest once; fp32
     assert rep.bytes_of("all-gather") == pytest.approx(4 * (psi + blocks), rel=0.01)
     assert rep.bytes_of("reduce-scatter") == pytest.approx(4 * psi, rel=0.01)

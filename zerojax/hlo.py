@@ -135,6 +135,38 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
     return computations, entry
 
 
+def executions(hlo_text: str) -> dict[str, int]:
+    """{computation name: times it runs per execution of the module}, in the order first
+    reached from the entry: a while body once per iteration (`trip_count`), a called
+    computation (fusion, call, reduction) once per call; both branches of a conditional count,
+    an upper bound. A bare list of instructions is one computation named ''."""
+    computations, entry = split_computations(hlo_text)
+    if entry is None:
+        return {"": 1}
+    counts: dict[str, int] = {}
+
+    def walk(comp: str, times: int, seen: tuple) -> None:
+        counts[comp] = counts.get(comp, 0) + times
+        for line in computations.get(comp, []):
+            loop = _WHILE.search(line)
+            if loop and loop.group(2) not in seen:
+                trips = trip_count(line, computations.get(loop.group(1), []))
+                walk(loop.group(2), times * trips, seen + (comp,))
+                continue
+            for m in _CALLS.finditer(line):
+                for callee in re.split(r",\s*%?", m.group(1)):
+                    if callee in computations and callee not in seen:
+                        walk(callee, times, seen + (comp,))
+
+    walk(entry, 1, ())
+    return counts
+
+
+def _lines(hlo_text: str) -> dict[str, list[str]]:
+    computations, entry = split_computations(hlo_text)
+    return computations if entry is not None else {"": hlo_text.splitlines()}
+
+
 def parse_collectives(
     hlo_text: str, num_devices: int, local: int | None = None
 ) -> list[Collective]:
@@ -143,25 +175,82 @@ def parse_collectives(
     once, `-done` halves not at all. `local`: devices per node (device ids in mesh order), to
     mark the collectives whose groups cross nodes; None: one node."""
     local = local or num_devices
-    computations, entry = split_computations(hlo_text)
+    lines = _lines(hlo_text)
+    return [
+        c
+        for comp, times in executions(hlo_text).items()
+        for line in lines.get(comp, [])
+        for c in collectives_in(line, num_devices, local) * times
+    ]
 
-    def walk(comp: str, seen: tuple) -> list[Collective]:
-        found = []
-        for line in computations.get(comp, []):
-            found += collectives_in(line, num_devices, local)
-            loop = _WHILE.search(line)
-            if loop and loop.group(2) not in seen:
-                trips = trip_count(line, computations.get(loop.group(1), []))
-                found += walk(loop.group(2), seen + (comp,)) * trips
+
+_NAME = r"[\w.\-#]+"  # `#i` names element i of a tuple-valued instruction (shardy's modules)
+_DEFINES = re.compile(rf"^\s*(?:ROOT\s+)?%?({_NAME})\s*=\s*(.*)$")
+# a matmul's operands: the names before its first attribute (`lhs_contracting_dims=`, ...)
+_MATMUL = re.compile(r"\s(dot|convolution)\(([^=]*)")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def _tuple_type(rhs: str) -> str:
+    """The element types of the tuple type `rhs` starts with (up to its matching parenthesis)."""
+    depth = 0
+    for i, char in enumerate(rhs):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0:
+            return rhs[1:i]
+    return ""
+
+
+def _shapes(lines: list[str]) -> dict[str, list[int]]:
+    """{instruction name: its array result's dims} for one computation; a flat tuple's
+    elements as `name#i`."""
+    shapes = {}
+    for line in lines:
+        m = _DEFINES.match(line)
+        if not m:
+            continue
+        name, rhs = m.groups()
+        if not rhs.startswith("("):
+            if array := _ARRAY.match(rhs):
+                shapes[name] = _dims(array.group(2))
+            continue
+        elements = re.sub(r"\{[^}]*\}|/\*.*?\*/", "", _tuple_type(rhs))  # no layouts, comments
+        if "(" not in elements:  # flat
+            for i, (_, dims) in enumerate(_ARRAY.findall(elements)):
+                shapes[f"{name}#{i}"] = _dims(dims)
+    return shapes
+
+
+def matmul_flops(hlo_text: str) -> float:
+    """Floating-point operations of the module's matmuls (`dot`, and `convolution`, as which the
+    TPU compiler writes dots), each counted as often as it runs (a scanned layer's matmuls once
+    per iteration, unlike `cost_analysis()`, which counts a loop body once): 2 x output elements
+    x the products summed into each (a dot's contracting dimensions; a convolution's kernel
+    elements per output feature: exact for a plain convolution, not for the dilated and padded
+    ones a TPU compiler turns batched dots into, so read a TPU program's FLOPs from its
+    partitioned module, before that rewrite). Per device, for a partitioned module."""
+    lines = _lines(hlo_text)
+    total = 0.0
+    for comp, times in executions(hlo_text).items():
+        shapes = _shapes(lines.get(comp, []))
+        for line in lines.get(comp, []):
+            m, out = _MATMUL.search(line), _DEFINES.match(line)
+            if not (m and out and out.group(1) in shapes):
                 continue
-            for m in _CALLS.finditer(line):
-                for callee in re.split(r",\s*%?", m.group(1)):
-                    if callee in computations and callee not in seen:
-                        found += walk(callee, seen + (comp,))
-        return found
-
-    if entry is None:  # a bare list of instructions (no computations)
-        return [
-            c for line in hlo_text.splitlines() for c in collectives_in(line, num_devices, local)
-        ]
-    return walk(entry, ())
+            operands = re.findall(rf"%({_NAME})", m.group(2))
+            if len(operands) < 2 or not {operands[0], operands[1]} <= shapes.keys():
+                raise ValueError(f"cannot read the operand shapes of: {line.strip()[:200]}")
+            lhs, rhs = shapes[operands[0]], shapes[operands[1]]
+            if m.group(1) == "dot":
+                contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", line)
+                per_output = math.prod(
+                    lhs[i] for i in _dims(contracting.group(1) if contracting else "")
+                )
+            else:
+                labels = re.search(r"dim_labels=\w+_(\w+)->", line)
+                per_output = math.prod(rhs) // rhs[labels.group(1).index("o")] if labels else 0
+            total += 2 * math.prod(shapes[out.group(1)]) * per_output * times
+    return total

@@ -361,6 +361,7 @@ def plan(args) -> int:
                 # runs, and exposed (on CPU, everything is exposed)
                 "overlapped_sent_bytes": int(rep.overlap[0]),
                 "exposed_sent_bytes": int(rep.overlap[1]),
+                "matmul_flops": rep.matmul_flops,  # per device, loop trips counted
                 # a 1-D mesh has no node boundary to count
                 "cross_node_bytes": int(rep.cross_node_bytes)
                 if "node" in zero.mesh.shape
@@ -402,7 +403,7 @@ def _print_table(rows, args, title: str) -> None:
         f"{'sent ' + unit + '/step':>13}"
         + (f"{'cross-node':>11}" if cross else "")
         + (f"{'overlapped':>11}{'exposed':>9}" if args.topology else "")
-        + "  fits"
+        + f"{'GFLOP/step':>11}  fits"
     )
     for r in rows:
         fits = "-" if r["fits"] is None else ("yes" if r["fits"] else "no")
@@ -417,14 +418,15 @@ def _print_table(rows, args, title: str) -> None:
                 if args.topology
                 else ""
             )
-            + f"  {fits}"
+            + f"{r['matmul_flops'] / 1e9:>11.1f}  {fits}"
         )
     print(
         "per device. at rest: state in device memory between steps; peak: compiled arguments "
         "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
         "host: offloaded state in pinned host memory. Offload rows update on the host. sent: "
         "bytes one device sends per step (ring algorithms); cross-node: of which in "
-        "collectives whose groups span nodes."
+        "collectives whose groups span nodes. GFLOP/step: the compiled program's matmuls per "
+        "device, each loop body once per iteration (recomputation included)."
         + (
             " overlapped / exposed: bytes the TPU program itself sends (its collectives after "
             "combining, in the dtypes it chose) while a matmul runs / with nothing beside them."

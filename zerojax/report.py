@@ -22,7 +22,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax import xla_flags
 from zerojax.describe import leaf_rows
-from zerojax.hlo import parse_collectives
+from zerojax.hlo import matmul_flops, parse_collectives
 from zerojax.peak import Peak, explain_peak
 from zerojax.rules import HOST, OPT_STATE, OTHER, PARAMS
 from zerojax.schedule import overlap_bytes, scheduled_collectives
@@ -50,6 +50,10 @@ class Report:
     # exposed (`schedule`): after the compiler's combiners; on CPU every one is exposed
     scheduled: list = dataclasses.field(default_factory=list)
     xla_flags: dict = dataclasses.field(default_factory=dict)  # zerojax's defaults in force
+    # floating-point operations of the step's matmuls per device per step, read from the
+    # partitioned module (its dots, before a TPU compiler rewrites them as convolutions), loop
+    # bodies once per iteration (`hlo.matmul_flops`; `cost_analysis()` counts a body once)
+    matmul_flops: float = 0.0
 
     @property
     def peak_bytes(self) -> int:
@@ -141,6 +145,10 @@ class Report:
             f"compiled schedule: {len(self.scheduled)} collectives, {mb(hidden).strip()} MiB sent "
             f"while a matmul runs (overlapped), {mb(exposed).strip()} MiB exposed"
         )
+        lines.append(
+            f"compiled matmuls: {self.matmul_flops / 1e9:.3f} GFLOP per device per step "
+            "(loop bodies once per iteration)"
+        )
         if self.peak is not None:
             lines.append(self.peak.format(top=5).rstrip())
         for name, value in self.xla_flags.items():
@@ -191,8 +199,10 @@ def _no_compilation_cache():
         compilation_cache.reset_cache()
 
 
-# The SPMD partitioner's pass: 'spmd-partitioning' in the CPU and GPU compilers, 'shardy-xla'
-# in the TPU compiler (which dumps no 'spmd-partitioning' module).
+# The SPMD partitioner's pass: 'spmd-partitioning' in the CPU and GPU compilers; the TPU
+# compiler runs 'shardy-xla' (which partitions shard_map's manual code) and then, in newer
+# libtpus, 'tpu-spmd-partitioning' (which partitions what XLA places itself): the last one
+# dumped is the partitioned module.
 _PARTITIONER = "spmd-partitioning|shardy-xla"
 
 
@@ -207,7 +217,7 @@ def compile_with_partitioned_hlo(lowered, devices: int, param_shapes=()):
         found = sorted(
             f
             for f in glob.glob(os.path.join(tmp, "*.txt"))
-            if re.search(rf"after_({_PARTITIONER})\.", os.path.basename(f))
+            if re.search(rf"after_(tpu-)?({_PARTITIONER})\.", os.path.basename(f))
         )
         if not found and devices == 1:
             return compiled, compiled.as_text(), peak  # one device: nothing to partition
@@ -260,6 +270,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     local = dict(zero.mesh.shape).get("local")  # devices per node on a ('node', 'local') mesh
     collectives = parse_collectives(hlo, zero.axis_size, local)
     scheduled = scheduled_collectives(optimized, zero.axis_size, local)
+    flops = matmul_flops(hlo)
     mem = compiled.memory_analysis()
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
@@ -268,6 +279,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         scheduled += scheduled_collectives(micro.as_text(), zero.axis_size, local) * (k - 1)
+        flops += matmul_flops(micro_hlo) * (k - 1)
         if int(micro.memory_analysis().temp_size_in_bytes) > temp:
             temp, peak = int(micro.memory_analysis().temp_size_in_bytes), micro_peak
     resident, host, kept = resident_bytes(zero, tree)
@@ -299,4 +311,5 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         scheduled=scheduled,
         peak=peak,
         xla_flags=xla_flags.effective(),
+        matmul_flops=flops,
     )
