@@ -1,36 +1,44 @@
-"""The peer LM compiled for a TPU slice with no TPU present: zerojax's stages against XLA's own
-GSPMD placement of the same FSDP shardings, as the accelerator's compiler builds them.
+"""The peer LM compiled for a TPU slice with no TPU present: zerojax's stages side by side with
+MaxText's own train step and with XLA's own GSPMD placement of the same FSDP shardings, as the
+accelerator's compiler builds them.
 
-    pip install 'zerojax[tpu]'            # libtpu (jax 0.12 needs Python >= 3.12)
-    python bench/accelerator_compile.py [--topology v5e:2x4]
+    python bench/accelerator_compile.py [--topology v5e:2x4] [--without-maxtext]
+
+Needs libtpu (`pip install 'zerojax[tpu]'`; jax 0.12 needs Python >= 3.12) and, for the MaxText
+row, MaxText installed beside zerojax (bench/maxtext_lm.py says how): the same jax and libtpu
+then compile every contender. Without MaxText it exits 2 (bench/all.py then leaves the table as
+it was) unless `--without-maxtext` is given.
 
 The model is bench/jax_lm.py's (4 layers, d_model 256, SwiGLU 688, vocab 256, seq 128, global
 batch 64, fp32, clip + AdamW); each contender's train step is compiled ahead of time for the
 slice by libtpu and read (`zero.report`): per-chip peak (arguments + temporaries), the
 collectives of the scheduled program (after the TPU's combiners, in the dtypes it chose) by
 kind, the bytes one chip sends per step, and of those the bytes sent while a matmul runs
-(overlapped) or with nothing beside them (exposed). Contenders: zerojax stages 0-3 with the
-units `zerojax plan` uses (attention and MLP apart), stage 3 with whole blocks as units, and
-the same stage-3 shardings with `explicit_collectives=False`, where XLA's partitioner places
-every gather and reduction itself (the mechanism of pure `jax.jit` FSDP codes, but not
-MaxText's tuned rules: MaxText itself is not compared here). Writes
+(overlapped) or with nothing beside them (exposed), and the matmul FLOPs per chip with every
+scanned layer counted (`zerojax.hlo.matmul_flops`, read from the partitioned module).
+Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
+stage 3 with whole blocks as units and with `recompute_units=False`, MaxText (its FSDP rules,
+`remat_policy=full`), and the stage-3 shardings with `explicit_collectives=False`, where XLA's
+partitioner places every gather and reduction itself. Writes
 bench/results/accelerator_compile.json and .md.
 """
 
 import argparse
 import collections
 import importlib.metadata
+import importlib.util
 import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # only compiling: no TPU VM metadata lookups
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # MaxText compiles in a second process
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from benchlib import markdown_table, write_results  # noqa: E402
+from benchlib import markdown_table, run_with_devices, write_results  # noqa: E402
 from jax_lm import SHAPE, lm_config  # noqa: E402
 
 import zerojax as zj  # noqa: E402
@@ -40,6 +48,9 @@ from zerojax.models.lm import LM  # noqa: E402
 CONTENDERS = {  # name -> zero_shard options
     **{f"zerojax stage {s}": dict(stage=s, units=("Attention", "MLP")) for s in range(4)},
     "zerojax stage 3, block units": dict(stage=3, units=("Block",)),
+    "zerojax stage 3, no recompute": dict(
+        stage=3, units=("Attention", "MLP"), recompute_units=False
+    ),
     "stage-3 shardings, XLA's placement": dict(stage=3, explicit_collectives=False),
 }
 
@@ -66,6 +77,7 @@ def measure(topology: str) -> list[dict]:
                 "sent_bytes": hidden + exposed,
                 "overlapped_bytes": hidden,
                 "exposed_bytes": exposed,
+                "matmul_flops": rep.matmul_flops,
             }
         )
         print(f"{name}: peak {rep.peak_bytes / 2**20:.2f} MiB", file=sys.stderr)
@@ -83,6 +95,7 @@ def table(rows: list[dict], topology: str) -> str:
             mib(r["sent_bytes"]),
             mib(r["overlapped_bytes"]),
             mib(r["exposed_bytes"]),
+            f"{r['matmul_flops'] / 1e9:.2f}",
         ]
         for r in rows
     ]
@@ -94,6 +107,7 @@ def table(rows: list[dict], topology: str) -> str:
         "sent (MiB/chip)",
         "overlapped",
         "exposed",
+        "matmul GFLOP/chip",
     ]
     return markdown_table(headers, body)
 
@@ -101,15 +115,26 @@ def table(rows: list[dict], topology: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--topology", default="v5e:2x4", help="TPU slice, e.g. v5e:2x4 (8 chips)")
+    p.add_argument("--without-maxtext", action="store_true", help="zerojax's rows only")
     args = p.parse_args(argv)
+    if not args.without_maxtext and importlib.util.find_spec("maxtext") is None:
+        print(
+            "accelerator_compile: MaxText is not installed here; install it beside zerojax "
+            "(bench/maxtext_lm.py says how) or pass --without-maxtext",
+            file=sys.stderr,
+        )
+        return 2
     try:
         rows = measure(args.topology)
     except zj.ZeroError as e:  # no libtpu, or a topology it does not know
         print(f"accelerator_compile: {e}", file=sys.stderr)
         return 2
+    versions = {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu")}
+    if not args.without_maxtext:
+        rows.insert(-1, run_with_devices(1, "maxtext_lm", f"maxtext_row({args.topology!r})"))
+        versions["maxtext"] = importlib.metadata.version("maxtext")
     md = table(rows, args.topology)
     print(md)
-    versions = {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu")}
     write_results(
         "accelerator_compile",
         {"topology": args.topology, "shape": SHAPE, "versions": versions, "rows": rows},

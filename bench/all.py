@@ -30,7 +30,7 @@ BENCHMARKS = {
     "peers_memory": [],
     "memory_at_peak": [],
     "inference_cost": [],
-    "accelerator_compile": [],  # needs libtpu (the tpu extra); without it, left as it was
+    "accelerator_compile": [],  # needs libtpu and MaxText (bench/maxtext_lm.py), else left
     "optimizer_state_dtype": [],
     "recompute_units": [],
     "peers_comm": [],
