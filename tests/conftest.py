@@ -43,6 +43,7 @@ QUICK_TESTS = (
     "test_parity.py::test_parity_checks_fail_on_a_broken_reduction[2-no_mean-sgd_momentum]",
     "test_report.py::test_hlo_parser",
     "test_report.py::test_collectives_in_a_loop",
+    "test_report.py::test_matmul_flops_count_each_loop",
     "test_zeropp.py::test_int8",
     "test_zeropp.py::test_int4",
     "test_zeropp.py::test_iota_replica_groups",
@@ -62,3 +63,49 @@ def pytest_collection_modifyitems(config, items):
         module = item.module.__name__ if item.module else ""
         if module in QUICK_MODULES or any(q in item.nodeid for q in QUICK_TESTS):
             item.add_marker(pytest.mark.quick)
+
+
+class FileProgress:
+    """Under pytest-xdist (`-n`, the default), where test outcomes print as bare dots, one line
+    per test file when its last test ends: its outcomes and the wall time from its first test's
+    start."""
+
+    def __init__(self, config):
+        import collections
+
+        self.config = config
+        self.totals: collections.Counter = collections.Counter()
+        self.outcomes: dict = collections.defaultdict(collections.Counter)
+        self.ended: collections.Counter = collections.Counter()
+        self.started: dict = {}
+
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        if not self.totals:  # every worker collects the same tests
+            self.totals.update(i.split("::")[0] for i in ids)
+
+    def pytest_runtest_logreport(self, report):
+        import time
+
+        path = report.nodeid.split("::")[0]
+        self.started.setdefault(path, time.monotonic())
+        if report.failed or (report.when == "call" and report.passed) or report.skipped:
+            self.outcomes[path][
+                ("error" if report.when != "call" else "failed")
+                if report.failed
+                else report.outcome
+            ] += 1
+        if report.when == "teardown":
+            self.ended[path] += 1
+            if self.ended[path] == self.totals.get(path):
+                counts = ", ".join(f"{n} {k}" for k, n in sorted(self.outcomes[path].items()))
+                seconds = time.monotonic() - self.started[path]
+                terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+                if getattr(getattr(terminal, "_tw", None), "width_of_current_line", 0):
+                    terminal.write("\n")  # after the dots of this line
+                terminal.write_line(f"{path}: {counts} in {seconds:.0f} s")
+
+
+def pytest_configure(config):
+    workers = getattr(config.option, "numprocesses", None)
+    if workers and not hasattr(config, "workerinput"):  # the xdist controller
+        config.pluginmanager.register(FileProgress(config), "zerojax-file-progress")

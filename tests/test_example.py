@@ -210,6 +210,7 @@ def test_a_config_with_an_optimizer_block_trains_with_it(tmp_path):
     assert rates == pytest.approx(want, abs=1e-9)
 
 
+@pytest.mark.slow  # 44 s; test_checkpoint_health.py checks the same skip in one process and two
 def test_resume_skips_bad_newer_steps_with_one_warning(tmp_path):
     """A stray 7/, a truncated step 5 and a step 6 without its metadata beside the run's good
     step 3: the same command resumes from step 3, saying once what it skipped."""
