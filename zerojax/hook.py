@@ -174,12 +174,8 @@ def hooked_apply_fn(
             comm=comm,
             compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
             reduce_dtype=dtypes_reduce,
-            prefetch=cfg.prefetch,
-            offload_activations=cfg.offload_activations,
-            recompute=cfg.recompute_units,
-            keep_gathered=cfg.keep_gathered,
+            config=cfg,
             units=frozenset(units),
-            unit_buffers=cfg.unit_buffers,
             split_dims={
                 path_str(p[1:]): plan.split_dim
                 for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)

@@ -44,6 +44,7 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
+from zerojax.config import ZeroConfig
 from zerojax.device_values import varying
 from zerojax.errors import warn
 
@@ -60,17 +61,13 @@ class GatherContext:
     """What a gathering module needs inside a stage-3 step's per-device body."""
 
     comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
+    config: ZeroConfig  # prefetch, recompute_units, keep_gathered, unit_buffers, offload_*
     split_dims: dict = dataclasses.field(default_factory=dict)  # parameter path -> dim or None
     stored_ndim: dict = dataclasses.field(default_factory=dict)  # path -> ndim stored (scanned)
     compute_dtype: object = None  # None keeps the stored dtype
     reduce_dtype: object = None
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
-    prefetch: int = 0  # layers ahead a gather may be issued (0 or 1)
-    offload_activations: bool = False  # keep each layer's saved input in pinned host memory
-    recompute: bool = True  # backward recomputes the unit (else: forward saves its activations)
-    keep_gathered: tuple = ()  # regexes of unit paths whose gathered weights live until backward
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
-    unit_buffers: bool = False  # each unit's split leaves gathered / reduced as one buffer
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
     whole: dict | None = None  # stages 1-2: path -> the step's whole weight (nothing gathered)
 
@@ -169,7 +166,7 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
         whole = jax.tree_util.tree_map_with_path(
             lambda p, x: _layer_slice(stacks[_full_path(prefix, p)], x, layer), shards
         )
-    keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.keep_gathered)
+    keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.config.keep_gathered)
     return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole, keep)
 
 
@@ -235,7 +232,7 @@ def _anchor(ctx, direction: str, own, scanned: bool):
     inside a scanned body, nothing for the body's first module (XLA's pipeliner may move its
     gather into the previous iteration) and its own input for the modules after it (so a body
     never holds two modules' weights). Records `own` for the next module in `direction`."""
-    if ctx.prefetch == 0:
+    if ctx.config.prefetch == 0:
         return own
     trace = current_trace()
     previous = ctx.anchors.get(direction)
@@ -254,7 +251,7 @@ def _gather(shards, dims, ctx):
     out = list(flat)
     for group in _groups(split, flat, ctx):
         parts = [(d, flat[i]) for i, d in group]
-        if len(group) == 1 and not ctx.unit_buffers:
+        if len(group) == 1 and not ctx.config.unit_buffers:
             (i, d), x = group[0], flat[group[0][0]]
             out[i] = gather_weight(x, d, ctx.comm, x.dtype)
             continue
@@ -268,7 +265,7 @@ def _gather(shards, dims, ctx):
 def _groups(split: list, flat: list, ctx) -> list:
     """The (index, dim) lists gathered together: one per leaf, or with unit_buffers one per
     dtype."""
-    if not ctx.unit_buffers:
+    if not ctx.config.unit_buffers:
         return [[entry] for entry in split]
     by_dtype: dict = {}
     for i, d in split:
@@ -300,7 +297,7 @@ def _scatter(grads, dims, shards, ctx, scale):
     out = list(flat)
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
     for group in _groups(split, flat, ctx):
-        if len(group) == 1 and not ctx.unit_buffers:
+        if len(group) == 1 and not ctx.config.unit_buffers:
             i, d = group[0]
             out[i] = reduce(flat[i], d)
             continue
@@ -392,6 +389,7 @@ def layer_call(
     RNG keys, so the same dropout masks). `keep`: the gathered weights stay alive from forward
     to backward (`keep_gathered`), which then gathers nothing."""
     hpz = ctx.comm.secondary is not None
+    gathers = whole is None  # stages 1-2 use the step's whole weights: no gather to order
 
     @jax.custom_vjp
     def run(shards, whole, args, extra, anchor, scale):
@@ -404,28 +402,28 @@ def layer_call(
         secondary = _secondary(params, dims, ctx) if hpz and not keep else []
         if keep:  # the gathered weights themselves are backward's, nothing to gather again
             whole = params
-        if ctx.recompute:
+        if ctx.config.recompute_units:
             out, saved = apply(params, extra, args, kwargs), args
         else:
             out, saved = _forward_saving_activations(apply, params, extra, args, kwargs)
             saved_layout["treedef"], saved_layout["slots"], saved = saved
-        if ctx.offload_activations:
+        if ctx.config.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Host)
         return out, (shards, whole, secondary, saved, extra, anchor, scale)
 
     def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
         shards, whole, secondary, saved, extra, anchor, scale = res
         ct = ct[0]  # the written state is not differentiated
-        if ctx.offload_activations:
+        if ctx.config.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Device)
-        wait = _scalar(_anchor(ctx, "bwd", ct, scanned))
+        wait = _scalar(_anchor(ctx, "bwd", ct, scanned)) if gathers else None
         if keep:
             params = whole
         elif hpz:
             params = _from_secondary(_depend(secondary, wait), shards, dims, ctx)
         else:
             params = _weights(shards, dims, ctx, whole, wait)
-        if ctx.recompute:
+        if ctx.config.recompute_units:
             _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, saved)
         else:  # the saved activations, with the weights gathered again where they were used
             weights = jax.tree_util.tree_leaves(params)
@@ -445,5 +443,5 @@ def layer_call(
 
     run.defvjp(fwd, bwd)
     shards = _per_device(shards, dims, ctx)
-    anchor = _scalar(_anchor(ctx, "fwd", args, scanned))
+    anchor = _scalar(_anchor(ctx, "fwd", args, scanned)) if gathers else None
     return run(shards, whole, args, extra, anchor, ctx.scale)
