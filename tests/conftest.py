@@ -53,6 +53,8 @@ QUICK_TESTS = (
     "test_rules.py::test_optimizer_state_follows_its_parameter",
     "test_rules.py::test_stage_placement_by_category",
     "test_tpu_compile.py::test_without_libtpu_the_error_names_the_extra",
+    "test_option_sweep.py::test_every_option_is_swept",
+    "test_option_sweep.py::test_an_unused_option_is_named",
 )
 
 

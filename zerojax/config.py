@@ -454,6 +454,12 @@ class ZeroConfig:
         return self.stage in (1, 2)
 
     @property
+    def uses_units(self) -> bool:
+        """Stages 1-3: the model's units run through zerojax (gathered at stage 3, their
+        gradients reduce-scattered as backward leaves them at stages 1-2); stage 0 has none."""
+        return self.stage >= 1
+
+    @property
     def shards_parameters(self) -> bool:
         """Stage 3: parameters rest split too, gathered where the model uses them."""
         return self.stage == 3
@@ -490,6 +496,16 @@ class ZeroConfig:
             or self.offload_update == "host"
             or self.on_nonfinite != "off"
         )
+
+    def inert_options(self) -> dict[str, str]:
+        """{option: when and why it does nothing here} for each option set away from its
+        default that this config's stage or other options leave without effect
+        (`INERT_OPTIONS`, the first that holds); `zero_shard` warns about them once."""
+        defaults, idle = self.defaults(), {}
+        for name, holds, when, why in INERT_OPTIONS:
+            if name not in idle and getattr(self, name) != defaults[name] and holds(self):
+                idle[name] = f"{when}: {why}"
+        return idle
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
@@ -554,6 +570,68 @@ _SCALING = (
     "loss_scale_window",
     "hysteresis",
     "min_loss_scale",
+)
+
+
+# The options most runs set, the surface of FSDP2's `fully_shard` and DeepSpeed's
+# `zero_optimization` block; the others (docs/options.md's "Advanced") tune how those act.
+USER_OPTIONS = (
+    "stage",
+    "units",
+    "recompute_units",
+    "precision",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "micro_batch_size",
+    "gradient_clipping",
+    "on_nonfinite",
+    "offload_optimizer",
+    "offload_param",
+    "memory_budget",
+    "quantized_weights",
+    "hpz_partition_size",
+    "quantized_gradients",
+    "mics_shard_size",
+)
+
+# When an option, set away from its default, does nothing: (option, predicate, when, why).
+# tests/test_option_sweep.py lowers every option at every stage: a warned option must leave
+# the step unchanged, any other must change it (or be refused with a ZeroError).
+_NO_UNITS = "stage 0 all-reduces the gradients after the whole backward, it has no units"
+_NOT_GATHERED = "only stage 3 gathers parameters"
+_XLA = "XLA then places every gather and reduction, there are no units"
+_ONE_STEP = "nothing accumulates"
+INERT_OPTIONS: tuple = (
+    *(
+        (name, lambda c: not c.shards_optimizer_state, "at stage 0", "it splits no leaf")
+        for name in ("persistence_threshold", "rules")
+    ),
+    ("units", lambda c: not c.uses_units, "at stage 0", _NO_UNITS),
+    ("recompute_units", lambda c: not c.uses_units, "at stage 0", _NO_UNITS),
+    ("unit_buffers", lambda c: not c.uses_units, "at stage 0", _NO_UNITS),
+    ("prefetch", lambda c: not c.shards_parameters, "at stages 0-2", _NOT_GATHERED),
+    ("keep_gathered", lambda c: not c.shards_parameters, "at stages 0-2", _NOT_GATHERED),
+    *(
+        (name, lambda c: not c.explicit_collectives, "with explicit_collectives=False", _XLA)
+        for name in ("units", "recompute_units", "unit_buffers", "prefetch", "keep_gathered")
+    ),
+    *(
+        (
+            name,
+            lambda c: c.gradient_accumulation_steps == 1,
+            "with one micro-batch per step (gradient_accumulation_steps=1)",
+            _ONE_STEP,
+        )
+        for name in ("accumulate", "grad_accum_dtype")
+    ),
+    *(
+        (name, lambda c: not c.quantized_weights, "without quantized_weights", "qwZ is off")
+        for name in ("quantized_weights_block",)
+    ),
+    *(
+        (name, lambda c: not c.quantized_gradients, "without quantized_gradients", "qgZ is off")
+        for name in ("quantized_gradients_bits", "quantized_gradients_block")
+    ),
 )
 
 

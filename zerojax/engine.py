@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.checks import check_init_fn
-from zerojax.comm.hierarchy import comm_for
+from zerojax.comm.hierarchy import NODE, comm_for
 from zerojax.config import ZeroConfig, ZeroError, resolve_config
 from zerojax.describe import Description, describe, replication_warnings
 from zerojax.errors import warn
@@ -62,6 +62,19 @@ class ZeroShard:
         # about (each once); nothing else is kept between calls
         self._layouts: dict[tuple, StateLayout] = {}
         self.warned: set[str] = set()
+        idle = config.inert_options()
+        if NODE in self.mesh.shape and config.axis not in ("data", self.comm.shard_axis):
+            idle["axis"] = "on a ('node', 'local') mesh: zerojax shards over both its axes"
+        if idle:
+            warn(
+                "zerojax: "
+                + "; ".join(
+                    f"{name}={getattr(config, name)!r} does nothing {why}"
+                    for name, why in idle.items()
+                )
+                + ". Leave them at their defaults, or change what they depend on.",
+                self.warned,
+            )
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"

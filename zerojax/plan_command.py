@@ -308,7 +308,7 @@ def plan(args) -> int:
         os.makedirs(args.dump_hlo, exist_ok=True)
     rows, peaks = [], []
     for cfg_z in configs:
-        if work.units is not None:
+        if work.units is not None and cfg_z.uses_units:
             cfg_z = cfg_z.replace(units=work.units)
         group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
         zero = zj.zero_shard(

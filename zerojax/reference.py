@@ -13,7 +13,7 @@ import inspect
 import re
 
 from zerojax import deepspeed as ds
-from zerojax.config import ZeroConfig
+from zerojax.config import INERT_OPTIONS, USER_OPTIONS, ZeroConfig
 
 _SENTENCE_END = re.compile(r"(?<=\.)(?<!e\.g\.)(?<!i\.e\.)\s+(?=[A-Z0-9'`(])")
 
@@ -42,23 +42,40 @@ def _one_line(text: str) -> str:
 
 
 def options_markdown() -> str:
-    """docs/options.md's generated part: a table of every option (default, first sentence),
-    then each option's whole docstring."""
+    """docs/options.md's generated part: a table of the options most runs set and one of the
+    advanced ones (default, first sentence), then each option's whole docstring and when it
+    does nothing (`config.INERT_OPTIONS`, which `zero_shard` warns about)."""
     docs = field_docs()
     fields = dataclasses.fields(ZeroConfig)
     missing = [f.name for f in fields if f.name not in docs]
     if missing:
         raise ValueError(f"ZeroConfig fields without a docstring: {', '.join(missing)}")
-    rows = ["| option | default | what it does |", "|---|---|---|"]
-    for f in fields:
-        rows.append(
+    idle: dict[str, list[str]] = {}
+    for name, _, when, why in INERT_OPTIONS:
+        idle.setdefault(name, []).append(f"{when} ({why})")
+    tables = []
+    for title, chosen in (
+        ("Options most runs set", [f for f in fields if f.name in USER_OPTIONS]),
+        ("Advanced: how those act", [f for f in fields if f.name not in USER_OPTIONS]),
+    ):
+        rows = [f"**{title}**\n", "| option | default | what it does |", "|---|---|---|"]
+        rows += [
             f"| [`{f.name}`](#{f.name}) | `{f.default!r}` | {_one_line(summary(docs[f.name]))} |"
-        )
+            for f in chosen
+        ]
+        tables.append("\n".join(rows))
     sections = [
-        f"### `{f.name}`\n\nDefault `{f.default!r}`. {' '.join(docs[f.name].split())}\n"
+        f"### `{f.name}`\n\nDefault `{f.default!r}`. {' '.join(docs[f.name].split())}"
+        + (
+            f" Set away from its default, it does nothing (and `zero_shard` says so once) "
+            f"{'; or '.join(idle[f.name])}."
+            if f.name in idle
+            else ""
+        )
+        + "\n"
         for f in fields
     ]
-    return "\n".join(rows) + "\n\n" + "\n".join(sections)
+    return "\n\n".join(tables) + "\n\n" + "\n".join(sections)
 
 
 def deepspeed_markdown() -> str:
