@@ -90,12 +90,10 @@ class FileProgress:
 
         path = report.nodeid.split("::")[0]
         self.started.setdefault(path, time.monotonic())
-        if report.failed or (report.when == "call" and report.passed) or report.skipped:
-            self.outcomes[path][
-                ("error" if report.when != "call" else "failed")
-                if report.failed
-                else report.outcome
-            ] += 1
+        if report.failed:  # a failed setup or teardown is an error, as pytest counts it
+            self.outcomes[path]["failed" if report.when == "call" else "error"] += 1
+        elif report.skipped or (report.when == "call" and report.passed):
+            self.outcomes[path][report.outcome] += 1
         if report.when == "teardown":
             self.ended[path] += 1
             if self.ended[path] == self.totals.get(path):

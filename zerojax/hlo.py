@@ -135,14 +135,14 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
     return computations, entry
 
 
-def executions(hlo_text: str) -> dict[str, int]:
-    """{computation name: times it runs per execution of the module}, in the order first
-    reached from the entry: a while body once per iteration (`trip_count`), a called
-    computation (fusion, call, reduction) once per call; both branches of a conditional count,
-    an upper bound. A bare list of instructions is one computation named ''."""
+def executions(hlo_text: str) -> list[tuple[list[str], int]]:
+    """(a computation's instruction lines, times it runs per execution of the module), in the
+    order first reached from the entry: a while body once per iteration (`trip_count`), a
+    called computation (fusion, call, reduction) once per call; both branches of a conditional
+    count, an upper bound. A bare list of instructions is one computation run once."""
     computations, entry = split_computations(hlo_text)
     if entry is None:
-        return {"": 1}
+        return [(hlo_text.splitlines(), 1)]
     counts: dict[str, int] = {}
 
     def walk(comp: str, times: int, seen: tuple) -> None:
@@ -159,12 +159,7 @@ def executions(hlo_text: str) -> dict[str, int]:
                         walk(callee, times, seen + (comp,))
 
     walk(entry, 1, ())
-    return counts
-
-
-def _lines(hlo_text: str) -> dict[str, list[str]]:
-    computations, entry = split_computations(hlo_text)
-    return computations if entry is not None else {"": hlo_text.splitlines()}
+    return [(computations.get(comp, []), times) for comp, times in counts.items()]
 
 
 def parse_collectives(
@@ -175,11 +170,10 @@ def parse_collectives(
     once, `-done` halves not at all. `local`: devices per node (device ids in mesh order), to
     mark the collectives whose groups cross nodes; None: one node."""
     local = local or num_devices
-    lines = _lines(hlo_text)
     return [
         c
-        for comp, times in executions(hlo_text).items()
-        for line in lines.get(comp, [])
+        for lines, times in executions(hlo_text)
+        for line in lines
         for c in collectives_in(line, num_devices, local) * times
     ]
 
@@ -232,11 +226,10 @@ def matmul_flops(hlo_text: str) -> float:
     elements per output feature: exact for a plain convolution, not for the dilated and padded
     ones a TPU compiler turns batched dots into, so read a TPU program's FLOPs from its
     partitioned module, before that rewrite). Per device, for a partitioned module."""
-    lines = _lines(hlo_text)
     total = 0.0
-    for comp, times in executions(hlo_text).items():
-        shapes = _shapes(lines.get(comp, []))
-        for line in lines.get(comp, []):
+    for lines, times in executions(hlo_text):
+        shapes = _shapes(lines)
+        for line in lines:
             m, out = _MATMUL.search(line), _DEFINES.match(line)
             if not (m and out and out.group(1) in shapes):
                 continue
