@@ -30,6 +30,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # rules tables, HLO parsing, quantisation, the house rules, and one small parity run per path
 # (explicit collectives at stage 3 on 8 devices, and a deliberately broken reduction failing).
 QUICK_MODULES = {
+    "test_call_plan",
     "test_config",
     "test_data",
     "test_describe",

@@ -84,6 +84,19 @@ def _sources():
     return {_module(f): f.read_text() for f in PACKAGE.rglob("*.py")}
 
 
+def test_functions_stay_short_enough_to_read():
+    # a function over 80 lines holds several decisions; the hook is a runner of a plan
+    # (zerojax.call_plan), so it stays under 60
+    lengths = {
+        f"{_module(f)}.{node.name}": node.end_lineno - node.lineno + 1
+        for f in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(f.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+    assert not {name: n for name, n in lengths.items() if n > 80}
+    assert lengths["zerojax.hook.hooked_apply_fn"] <= 60
+
+
 def test_only_the_boundary_asks_what_kind_of_state_it_has():
     # zerojax.state turns every kind of user state into the one pytree the engine sees
     asking = [m for m, src in _sources().items() if "nnx.Pytree" in src or "is_nnx" in src]

@@ -17,6 +17,8 @@ from zerojax.errors import ZeroError, nearest
 
 __all__ = ["ZeroConfig", "ZeroError", "resolve_config"]
 
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # option -> dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class ZeroConfig:

@@ -23,11 +23,10 @@ from flax import serialization
 
 from zerojax.checkpoint import nest, orbax_manager
 from zerojax.checkpoint_health import saved_leaves, saved_step, step_problems
-from zerojax.config import ZeroError
+from zerojax.config import DTYPE_NAMES, ZeroError
 from zerojax.interop import FILE_DTYPES
 
 SAFETENSORS_DTYPES = {dtype.name: name for name, dtype in FILE_DTYPES.items()}
-EXPORT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _manager(directory):
@@ -109,15 +108,15 @@ def verify(directory, step: int | None = None) -> dict:
 def export(directory, out: str, step: int | None = None, dtype: str = "fp32") -> dict:
     """Write checkpoint `step`'s parameters (the fp32 master when it has one) to `out`
     (.safetensors or .msgpack) in `dtype` ('fp32', 'bf16' or 'fp16'), leaf by leaf."""
-    if dtype not in EXPORT_DTYPES:
-        raise ZeroError(f"export dtype must be one of {', '.join(EXPORT_DTYPES)}; got {dtype!r}.")
+    if dtype not in DTYPE_NAMES:
+        raise ZeroError(f"export dtype must be one of {', '.join(DTYPE_NAMES)}; got {dtype!r}.")
     if not out.endswith((".safetensors", ".msgpack")):
         raise ZeroError(f"export writes .safetensors or .msgpack files; got {out!r}.")
     mgr, step, tree = _step_and_tree(directory, step)
     if "params" not in tree:
         raise ZeroError(f"checkpoint step {step} in {directory} holds no params.")
     params = saved_leaves(tree["params"])
-    np_dtype = np.dtype(getattr(jnp, EXPORT_DTYPES[dtype]))
+    np_dtype = np.dtype(getattr(jnp, DTYPE_NAMES[dtype]))
     path = os.path.join(mgr.directory, str(step), "state")
     tmp = out + ".partial"  # never leave a half-written file under `out`
     with open(tmp, "wb") as f:

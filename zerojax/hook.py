@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 
 import flax.linen as nn
@@ -26,16 +27,26 @@ import numpy as np
 from jax._src import config as jax_config  # the trace-context option, see fresh_traces
 from jax.sharding import PartitionSpec as P
 
+from zerojax.call_plan import (
+    OTHER,
+    UNIT,
+    WHOLE,
+    ApplyHookError,
+    CallPlan,
+    compute_dtype,
+    is_array,
+    plan_call,
+)
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
 from zerojax.comm.hierarchy import Comm, manual_over_data
-from zerojax.config import ZeroConfig, ZeroError
+from zerojax.config import ZeroConfig
 from zerojax.device_values import combine_state, fold_keys
 from zerojax.errors import warn
 from zerojax.flax.gather import LAYER, GatherContext, gather_context
 from zerojax.flax.units import discovering, intercept, select_units
 from zerojax.offload import activation_policy
 from zerojax.optim import DTYPES
-from zerojax.rules import PARAMS, StateLayout, key_name, path_str
+from zerojax.rules import PARAMS, StateLayout, key_name
 
 _RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
 
@@ -58,14 +69,6 @@ def model_running():
 NNX_STATE = "nnx_state"  # the key an NNX model's other state travels under through the hook
 
 
-class ApplyHookError(ZeroError):
-    """The model's inputs or outputs cannot be split per device; the message says why."""
-
-
-def is_array(x) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray))
-
-
 def with_values(flat: list, positions: list, values, tree):
     """(args, kwargs) from flattened call arguments with the array leaves at `positions`
     replaced by `values` (traced per-device or abstract stand-ins)."""
@@ -73,15 +76,6 @@ def with_values(flat: list, positions: list, values, tree):
     for i, v in zip(positions, values, strict=True):
         local[i] = v
     return jax.tree_util.tree_unflatten(tree, local)
-
-
-def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
-    """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
-    dtype = DTYPES[cfg.precision] if cfg.precision != "fp32" else None
-    return tuple(
-        dtype if path and key_name(path[0]) == PARAMS else None
-        for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]
-    )
 
 
 def hooked_apply_fn(
@@ -100,157 +94,154 @@ def hooked_apply_fn(
     dims of the step's batch leaves), each call appends its stage-3 units to `calls`, and
     `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
     returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
-    `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). See
+    `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). Each call
+    is planned from shapes (`zerojax.call_plan`) and run per device by `run_call`. See
     `zerojax.device_values` for what each device draws and how written state becomes one."""
-    n, dtypes_reduce = comm.data_size, DTYPES[cfg.grad_reduce_dtype]
     linen = stateful is None
-
-    def plans(variables) -> list:
-        """Per variable leaf: the state's plan of that parameter (None for other leaves)."""
-        return [
-            layout.param_plan(p[1:], x) if p and key_name(p[0]) == PARAMS else None
-            for p, x in jax.tree_util.tree_flatten_with_path(variables)[0]
-        ]
 
     def apply(variables, *args, **kwargs):
         returns_state = _linen_stateful(kwargs) if linen else stateful
         rngs = _rngs_dict(kwargs.pop("rngs", None)) if linen else None
-        flat_vars = jax.tree_util.tree_flatten_with_path(variables)[0]
-        leaves, var_tree = jax.tree_util.tree_flatten(variables)
-        leaf_plans = plans(variables)
-        is_param = [bool(p) and key_name(p[0]) == PARAMS for p, _ in flat_vars]
-        store = tuple(P() if p is None else p.spec for p in leaf_plans)
-        grads = tuple(P() if p is None else p.grad_spec for p in leaf_plans)
-        stored = {  # each parameter's shape as the state stores it (a stack's with its layers)
-            path_str(p[1:]): np.shape(x) for p, x in flat_vars if key_name(p[0]) == PARAMS
-        }
-        # leaves of units enter as shards: stage 3 gathers them per unit; stages 1-2 use the
-        # step's whole copy and reduce-scatter each unit's gradient as backward leaves it
-        units, layers = (), {}
-        if cfg.shards_parameters or cfg.reduces_per_unit:
+        flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
+        found = {}
+        if cfg.uses_units:
             keys = {} if rngs is None else {"rngs": rngs}
             found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
-            layers = {u: _layer_dims(found[u], u, stored) for u in found}
-            if not cfg.shards_parameters and not linen:  # NNX stacks: no layer index to read
-                layers = {u: d for u, d in layers.items() if not d}
-            units = tuple(layers)
-        calls.append(frozenset(units))
-        prefixes = tuple(u + "/" for u in units)
-        claimed = [
-            param and path_str(p[1:]).startswith(prefixes)
-            for param, (p, _) in zip(is_param, flat_vars, strict=True)
-        ]
-        if comm.secondary and not any(claimed):
+        unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
+        values = tuple(flat[i] for i in dynamic)
+        plan = plan_call(layout, cfg, variables, list(values), batch_rows, unit_leaves, linen)
+        calls.append(frozenset(plan.units))
+        if comm.secondary and not plan.where(UNIT):
             warn(
                 "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
                 "units, so its parameters are gathered once per step and kept for backward "
                 "(no backward gather to keep inside the node). Name its blocks with units=."
             )
-        whole = [i for i, c in enumerate(claimed) if is_param[i] and not c]
-        others = tuple(x for x, param in zip(leaves, is_param, strict=True) if not param)
-        given = {p: x for (p, x), param in zip(flat_vars, is_param, strict=True) if not param}
-        compute = _compute_dtypes(variables, cfg)
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
+        run = Runner(plan, model, mesh, comm, cfg, batch_rows, returns_state)
+        out = run(variables, rngs, values, scale)
+        if not returns_state:
+            return out if scale is None else scale_cotangent(out, scale)
+        out, written = out
+        return (out if scale is None else scale_cotangent(out, scale)), written
+
+    return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """One planned call run once per device (`shard_map` manual over the data axes): whole
+    parameters enter through `device_copies`, units' leaves as their shards (stage 3) or
+    split as their gradient is (stages 1-2, beside the step's whole copy), other state with
+    its RNG keys folded per device; written state comes back combined."""
+
+    plan: CallPlan
+    model: object  # model(variables, array args, extra kwargs)
+    mesh: object
+    comm: Comm
+    cfg: ZeroConfig
+    batch_rows: set
+    returns_state: bool
+
+    def __call__(self, variables, rngs, values: tuple, scale):
+        plan, comm = self.plan, self.comm
+        leaves = jax.tree_util.tree_leaves(variables)
+        whole, units = plan.where(WHOLE), plan.where(UNIT)
+        pick = lambda idx, field: tuple(getattr(plan.leaves[i], field) for i in idx)
         copies = device_copies(
             tuple(leaves[i] for i in whole),
             scale,
-            tuple(store[i] for i in whole),
-            tuple(grads[i] for i in whole),
-            mesh,
+            pick(whole, "store"),
+            pick(whole, "grad"),
+            self.mesh,
             comm,
             (
-                tuple(compute[i] for i in whole),
-                dtypes_reduce,
+                pick(whole, "compute_dtype"),
+                DTYPES[self.cfg.grad_reduce_dtype],
                 tuple(leaves[i].dtype for i in whole),
             ),
         )
-        shards = tuple(leaves[i] for i, c in enumerate(claimed) if c)
-        in_place = bool(units) and not cfg.shards_parameters  # stages 1-2: no gather
-        wholes = tuple(
-            jax.lax.stop_gradient(to_compute(leaves[i], compute[i]))
-            for i, c in enumerate(claimed)
-            if c and in_place
+        shards = tuple(leaves[i] for i in units)
+        wholes = tuple(  # stages 1-2: the unit's whole weights, beside its split gradient
+            jax.lax.stop_gradient(to_compute(leaves[i], plan.leaves[i].compute_dtype))
+            for i in (units if plan.in_place else ())
         )
-        gather_ctx = GatherContext(
-            comm=comm,
-            compute_dtype=DTYPES[cfg.precision] if cfg.precision != "fp32" else None,
-            reduce_dtype=dtypes_reduce,
-            config=cfg,
-            units=frozenset(units),
-            split_dims={
-                path_str(p[1:]): plan.split_dim
-                for (p, _), plan in zip(flat_vars, leaf_plans, strict=True)
-                if plan is not None
-            },
-            stored_ndim={path: len(shape) for path, shape in stored.items()},
+        others = tuple(leaves[i] for i in plan.where(OTHER))
+        batch = P(comm.data_axis)
+        out_specs = (batch, P()) if self.returns_state else batch
+        in_specs = (
+            tuple(batch for _ in whole),
+            pick(units, "grad" if plan.in_place else "store"),
+            pick(units, "store") if plan.in_place else (),
+            P(),
+            P(),
+            tuple(batch if b else P() for b in plan.batch_args),
+            P(),
+        )
+        body = functools.partial(self.body, jax.tree_util.tree_structure(variables), variables)
+        return manual_over_data(body, self.mesh, comm, in_specs, out_specs)(
+            copies, shards, wholes, others, rngs, values, scale
         )
 
-        flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
-        batch_spec = P(comm.data_axis)
-        in_specs = tuple(
-            batch_spec if np.ndim(flat[i]) >= 1 and np.shape(flat[i])[0] in batch_rows else P()
-            for i in dynamic
+    def body(self, var_tree, variables, copies, shards, wholes, others, rngs, values, scale):
+        """The model on this device's rows, with its parameters as the plan says."""
+        plan, axis = self.plan, self.comm.data_axis
+        local_rows = {r // self.comm.data_size for r in self.batch_rows}
+        entering = {
+            WHOLE: (c[0] for c in copies),
+            UNIT: iter(shards),
+            OTHER: iter(fold_keys(others, axis)),
+        }
+        variables_local = jax.tree_util.tree_unflatten(
+            var_tree, [next(entering[leaf.role]) for leaf in plan.leaves]
         )
-        if not any(spec == batch_spec for spec in in_specs):
-            raise ApplyHookError(
-                "zerojax: no argument of state.apply_fn has the batch's leading dimension "
-                f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
-                "arrays with the batch first, or use zero_shard(..., explicit_collectives=False)."
-            )
-
-        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
-
-        claimed_paths = [path_str(p[1:]) for (p, _), c in zip(flat_vars, claimed, strict=True) if c]
-
-        def body(copies, shards, wholes, others, rngs, values, scale):
-            axis, local_rows = comm.data_axis, {r // n for r in batch_rows}
-            copies, shards, folded = iter(copies), iter(shards), iter(fold_keys(others, axis))
-            variables_local = jax.tree_util.tree_unflatten(
-                var_tree,
-                [
-                    next(folded) if not param else next(shards) if c else next(copies)[0]
-                    for param, c in zip(is_param, claimed, strict=True)
-                ],
-            )
-            if in_place:
-                variables_local = _with_layer_index(variables_local, layers)
-            # the scale: an argument, no outer tracer
-            ctx = None
-            if units:
-                # not differentiated (the gradient flows through the split leaf): no zero
-                # cotangent is built, or all-reduced, for the whole weights
-                wholes = jax.lax.stop_gradient(wholes)
-                whole = dict(zip(claimed_paths, wholes, strict=True)) if in_place else None
-                ctx = dataclasses.replace(gather_ctx, scale=scale, whole=whole)
-            extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
-            with gather_context(ctx), nn.intercept_methods(intercept):
-                out = model(variables_local, values, extra)
-            if not returns_state:
-                _check_outputs(out, local_rows)
-                return out
-            out, written = _split_stateful(out)
+        if plan.in_place:
+            variables_local = _with_layer_index(variables_local, plan.layers)
+        ctx = None
+        if plan.units:
+            # not differentiated (the gradient flows through the split leaf): no zero
+            # cotangent is built, or all-reduced, for the whole weights
+            whole = None
+            if plan.in_place:
+                paths = [plan.leaves[i].path for i in plan.where(UNIT)]
+                whole = dict(zip(paths, jax.lax.stop_gradient(wholes), strict=True))
+            ctx = self.gather_context(scale, whole)
+        extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
+        with gather_context(ctx), nn.intercept_methods(intercept):
+            out = self.model(variables_local, values, extra)
+        if not self.returns_state:
             _check_outputs(out, local_rows)
-            received = dict(zip(given, others, strict=True))  # unfolded, keyed as written
-            return out, combine_state(written, received, axis, local_rows)
+            return out
+        out, written = _split_stateful(out)
+        _check_outputs(out, local_rows)
+        given = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
+        received = {  # unfolded, keyed as written
+            given[i]: x for i, x in zip(plan.where(OTHER), others, strict=True)
+        }
+        return out, combine_state(written, received, axis, local_rows)
 
-        # stages 1-2: a unit's leaf enters split as its gradient is (no communication: the
-        # leaf is whole), so backward's reduce-scatter gives this device's slice
-        shard_specs = tuple((grads if in_place else store)[i] for i, c in enumerate(claimed) if c)
-        whole_specs = tuple(store[i] for i, c in enumerate(claimed) if c and in_place)
-        out = manual_over_data(
-            body,
-            mesh,
-            comm,
-            (tuple(batch_spec for _ in whole), shard_specs, whole_specs, P(), P(), in_specs, P()),
-            (batch_spec, P()) if returns_state else batch_spec,
-        )(copies, shards, wholes, others, rngs, tuple(flat[i] for i in dynamic), scale)
-        if returns_state:
-            out, written = out
-            out = out if scale is None else scale_cotangent(out, scale)
-            return out, written
-        return out if scale is None else scale_cotangent(out, scale)
+    def gather_context(self, scale, whole) -> GatherContext:
+        """What the units of this call need to gather (or, `whole`, to reduce in place)."""
+        return GatherContext(
+            comm=self.comm,
+            compute_dtype=compute_dtype(self.cfg),
+            reduce_dtype=DTYPES[self.cfg.grad_reduce_dtype],
+            config=self.cfg,
+            units=frozenset(self.plan.units),
+            split_dims=self.plan.split_dims,
+            stored_ndim=self.plan.stored_ndim,
+            scale=scale,
+            whole=whole,
+        )
 
-    return apply
+
+def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
+    """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
+    return tuple(
+        compute_dtype(cfg) if path and key_name(path[0]) == PARAMS else None
+        for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]
+    )
 
 
 def _linen_stateful(kwargs) -> bool:
@@ -296,15 +287,6 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
             return apply_fn(variables, *args, **kwargs, **(extra or {}))
 
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
-
-
-def _layer_dims(call, unit: str, stored: dict) -> tuple:
-    """The leading dims a lifted unit's call does not see (its stack's layers), () if none."""
-    if not call.param_ndims:
-        return ()
-    leaf, ndim = call.param_ndims[0]
-    shape = stored[f"{unit}/{leaf}"]
-    return tuple(shape[: len(shape) - ndim])
 
 
 def _with_layer_index(variables, layers: dict):

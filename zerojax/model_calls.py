@@ -14,9 +14,10 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
+from zerojax.call_plan import is_array
 from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx_calls import routed, split_params, with_params
-from zerojax.hook import NNX_STATE, is_array, model_running, running_model, with_values
+from zerojax.hook import NNX_STATE, model_running, running_model, with_values
 from zerojax.rules import PARAMS
 from zerojax.state import objects_in, objects_out
 

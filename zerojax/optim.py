@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import ZeroConfig, ZeroError
+from zerojax.config import DTYPE_NAMES, ZeroConfig, ZeroError
 
-DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+DTYPES = {option: jnp.dtype(name) for option, name in DTYPE_NAMES.items()}
 
 
 class ZeroOptState(NamedTuple):

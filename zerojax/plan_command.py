@@ -271,11 +271,6 @@ def plan(args) -> int:
     except zj.ZeroError as e:
         print(f"zerojax plan: {e}", file=sys.stderr)
         return 2
-    import jax
-
-    from zerojax import xla_flags
-    from zerojax.budget import largest_fitting
-
     if args.max_batch and (args.device_memory is None or args.memory_budget):
         print(
             "zerojax plan: --max-batch needs --device-memory (and no --memory-budget)",
@@ -287,11 +282,27 @@ def plan(args) -> int:
     except zj.ZeroError as e:
         print(f"zerojax plan: {e}", file=sys.stderr)
         return 2
+    if args.dump_hlo:
+        os.makedirs(args.dump_hlo, exist_ok=True)
+    planned = [_plan_row(args, cfg_z, work, devices, local) for cfg_z in _configs(args, local)]
+    rows, peaks = [row for row, _ in planned], [peak for _, peak in planned]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        _print_plan(rows, peaks, args, work)
+    return 0
+
+
+def _configs(args, local) -> list:
+    """The ZeroConfigs `zerojax plan` compiles: the config given, or every stage asked for
+    (with each offload from the stage that has it, and ZeRO++ variants on a node/local mesh)."""
+    import zerojax as zj
+
+    if args.config:
+        return [zj.ZeroConfig.from_json(args.config)]
     stages = [args.stage] if args.stage is not None else range(4)
-    configs = (
-        [zj.ZeroConfig.from_json(args.config)]
-        if args.config
-        else [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages]
+    return (
+        [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages]
         + [
             zj.ZeroConfig(stage=s, precision=args.precision, **options)
             for s in stages
@@ -304,91 +315,82 @@ def plan(args) -> int:
             if local and 3 in stages
         ]
     )
-    if args.dump_hlo:
-        os.makedirs(args.dump_hlo, exist_ok=True)
-    rows, peaks = [], []
-    for cfg_z in configs:
-        if work.units is not None and cfg_z.uses_units:
-            cfg_z = cfg_z.replace(units=work.units)
-        group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
-        zero = zj.zero_shard(
-            config=cfg_z,
-            mesh=zj.make_mesh(devices, local=group if group and group > 1 else None),
+
+
+def _plan_row(args, cfg_z, work, devices, local) -> tuple[dict, object]:
+    """One config compiled for the workload: its table row (what `--json` prints) and the
+    compiled peak's live ranges (for `--explain-peak`)."""
+    import jax
+
+    import zerojax as zj
+    from zerojax.budget import largest_fitting
+
+    if work.units is not None and cfg_z.uses_units:
+        cfg_z = cfg_z.replace(units=work.units)
+    if args.memory_budget and cfg_z.shards_parameters:
+        cfg_z = cfg_z.replace(memory_budget=args.memory_budget)
+    group = local or max(cfg_z.hpz_partition_size, cfg_z.mics_shard_size, 0) or None
+    mesh = zj.make_mesh(devices, local=group if group and group > 1 else None)
+    zero = zj.zero_shard(config=cfg_z, mesh=mesh)
+    state = zero.eval_shape(work.init_fn, jax.random.key(0))
+    offload, zeropp = _offload_name(cfg_z), _zeropp_name(cfg_z)
+    name = f"stage{cfg_z.stage}_{cfg_z.precision}_offload-{offload}_{zeropp}"
+    dump = os.path.join(args.dump_hlo, name) if args.dump_hlo else None
+    step = zero(work.step)
+    rep = zero.report(step, state, work.batch, dump_to=dump)
+    largest = None
+    if args.max_batch and work.seq_len:  # presets only (--model refuses --max-batch)
+        # the bound moves with the compiled arguments + temporaries
+        peak_at = functools.partial(
+            _device_peak, step, state, devices=args.devices, seq_len=work.seq_len
         )
-        state = zero.eval_shape(work.init_fn, jax.random.key(0))
-        offload, zeropp = _offload_name(cfg_z), _zeropp_name(cfg_z)
-        dump = (
-            os.path.join(
-                args.dump_hlo, f"stage{cfg_z.stage}_{cfg_z.precision}_offload-{offload}_{zeropp}"
-            )
-            if args.dump_hlo
-            else None
-        )
-        if args.memory_budget and cfg_z.shards_parameters:
-            zero = zj.zero_shard(
-                config=cfg_z.replace(memory_budget=args.memory_budget), mesh=zero.mesh
-            )
-        step = zero(work.step)
-        rep = zero.report(step, state, work.batch, dump_to=dump)
-        largest = None
-        if args.max_batch and work.seq_len:  # presets only (--model refuses --max-batch)
-            # the bound moves with the compiled arguments + temporaries
-            peak_at = functools.partial(
-                _device_peak, step, state, devices=args.devices, seq_len=work.seq_len
-            )
-            offset = rep.peak_bound_bytes - peak_at(args.batch_size)
-            largest = largest_fitting(peak_at, args.device_memory - offset)
-        peaks.append(rep.peak)
-        rows.append(
-            {
-                "stage": cfg_z.stage,
-                "offload": offload,
-                "zeropp": zeropp,
-                "precision": cfg_z.precision,
-                "mesh": dict(zero.mesh.shape),
-                "target": f"tpu {args.topology}" if args.topology else "cpu",
-                "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
-                "peak_bytes": rep.peak_bytes,
-                "peak_bound_bytes": rep.peak_bound_bytes,
-                "at_rest_bytes": sum(rep.resident.values()),
-                "at_rest_by_category": rep.resident,
-                "peak_by_category": rep.peak.by_category() if rep.peak else None,
-                "budget": str(step.budget) if step.budget else None,
-                "host_bytes": sum(rep.host_resident.values()),
-                "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
-                "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
-                # of the compiled schedule's collectives (after combining): sent while a matmul
-                # runs, and exposed (on CPU, everything is exposed)
-                "overlapped_sent_bytes": int(rep.overlap[0]),
-                "exposed_sent_bytes": int(rep.overlap[1]),
-                "matmul_flops": rep.matmul_flops,  # per device, loop trips counted
-                # a 1-D mesh has no node boundary to count
-                "cross_node_bytes": int(rep.cross_node_bytes)
-                if "node" in zero.mesh.shape
-                else None,
-                "fits": None
-                if args.device_memory is None
-                else rep.peak_bound_bytes <= args.device_memory,
-                "max_batch": largest[0] if largest else None,
-                "max_batch_compiles": largest[1] if largest else None,
-            }
-        )
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        _print_table(rows, args, work.title.format(params=rows[0]["params"]))
-        for name in xla_flags.PLANNING if not args.topology else ():
-            print(f"XLA flag {name}: {xla_flags.effective()[name]}")
-        if args.max_batch:
-            _print_max_batch(rows, args)
-        for r in rows:
-            if r["budget"]:
-                print(f"stage 3, offload {r['offload']}, ZeRO++ {r['zeropp']}: {r['budget']}")
-    if args.explain_peak and not args.json:
-        for r, peak in zip(rows, peaks, strict=True):
-            print(f"\nstage {r['stage']}, offload {r['offload']}, ZeRO++ {r['zeropp']}: ", end="")
-            print(peak.format(top=8) if peak else "no live ranges")
-    return 0
+        offset = rep.peak_bound_bytes - peak_at(args.batch_size)
+        largest = largest_fitting(peak_at, args.device_memory - offset)
+    row = {
+        "stage": cfg_z.stage,
+        "offload": offload,
+        "zeropp": zeropp,
+        "precision": cfg_z.precision,
+        "mesh": dict(zero.mesh.shape),
+        "target": f"tpu {args.topology}" if args.topology else "cpu",
+        "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
+        "peak_bytes": rep.peak_bytes,
+        "peak_bound_bytes": rep.peak_bound_bytes,
+        "at_rest_bytes": sum(rep.resident.values()),
+        "at_rest_by_category": rep.resident,
+        "peak_by_category": rep.peak.by_category() if rep.peak else None,
+        "budget": str(step.budget) if step.budget else None,
+        "host_bytes": sum(rep.host_resident.values()),
+        "comm_bytes": int(sum(c.buffer_bytes for c in rep.collectives)),
+        "comm_sent_bytes": int(sum(c.sent_bytes for c in rep.collectives)),
+        # of the compiled schedule's collectives (after combining): sent while a matmul
+        # runs, and exposed (on CPU, everything is exposed)
+        "overlapped_sent_bytes": int(rep.overlap[0]),
+        "exposed_sent_bytes": int(rep.overlap[1]),
+        "matmul_flops": rep.matmul_flops,  # per device, loop trips counted
+        # a 1-D mesh has no node boundary to count
+        "cross_node_bytes": int(rep.cross_node_bytes) if "node" in zero.mesh.shape else None,
+        "fits": None if args.device_memory is None else rep.peak_bound_bytes <= args.device_memory,
+        "max_batch": largest[0] if largest else None,
+        "max_batch_compiles": largest[1] if largest else None,
+    }
+    return row, rep.peak
+
+
+def _print_plan(rows, peaks, args, work) -> None:
+    from zerojax import xla_flags
+
+    _print_table(rows, args, work.title.format(params=rows[0]["params"]))
+    for name in xla_flags.PLANNING if not args.topology else ():
+        print(f"XLA flag {name}: {xla_flags.effective()[name]}")
+    if args.max_batch:
+        _print_max_batch(rows, args)
+    for r in rows:
+        if r["budget"]:
+            print(f"stage 3, offload {r['offload']}, ZeRO++ {r['zeropp']}: {r['budget']}")
+    for r, peak in zip(rows, peaks, strict=True) if args.explain_peak else ():
+        print(f"\nstage {r['stage']}, offload {r['offload']}, ZeRO++ {r['zeropp']}: ", end="")
+        print(peak.format(top=8) if peak else "no live ranges")
 
 
 def _print_table(rows, args, title: str) -> None:

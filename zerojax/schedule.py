@@ -43,87 +43,111 @@ def _op(text: str) -> str:
 def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = None):
     """Every collective the scheduled module runs (once per loop iteration), each marked
     overlapped or exposed."""
-    local = local or num_devices
     comps, entry = split_computations(hlo_text)
+    reader = _ScheduleReader(comps, num_devices, local or num_devices)
+    return reader.walk(entry, ()) if entry else []
 
-    def _callees(line: str) -> list[str]:
-        return [c for c in _CALLEE.findall(line) if c in comps]
 
-    @functools.cache
-    def has_matmul(comp: str) -> bool:
-        for line in comps.get(comp, ()):
+class _ScheduleReader:
+    """Walks a scheduled module's computations in order, pairing each async collective's
+    start with its done and noting whether a matmul was scheduled between them."""
+
+    def __init__(self, comps: dict, num_devices: int, local: int):
+        self.comps, self.num_devices, self.local = comps, num_devices, local
+        self.has_matmul = functools.cache(self._has_matmul)
+
+    def collectives(self, line: str) -> list[Collective]:
+        return collectives_in(line, self.num_devices, self.local)
+
+    def callees(self, line: str) -> list[str]:
+        return [c for c in _CALLEE.findall(line) if c in self.comps]
+
+    def _has_matmul(self, comp: str) -> bool:
+        for line in self.comps.get(comp, ()):
             m = _INSTR.match(line)
-            if m and (_op(m.group(2)) in _MATMUL or any(map(has_matmul, _callees(line)))):
+            if m and (_op(m.group(2)) in _MATMUL or any(map(self.has_matmul, self.callees(line)))):
                 return True
         return False
 
-    def inner(line: str) -> list[Collective]:
+    def started(self, line: str) -> list[Collective]:
         """The collective an async start runs: on its own line, or first in the computation
         it calls (XLA's async-start, the TPU compiler's start fusion)."""
-        if found := collectives_in(line, num_devices, local):
+        if found := self.collectives(line):
             return found
-        for callee in _callees(line):
-            for callee_line in comps[callee]:
-                if found := collectives_in(callee_line, num_devices, local):
+        for callee in self.callees(line):
+            for callee_line in self.comps[callee]:
+                if found := self.collectives(callee_line):
                     return found
         return []
 
-    def every_collective(comp: str) -> list[Collective]:
+    def fused(self, comp: str) -> list[Collective]:
         """The collectives of a fused computation. The TPU compiler's 'all-reduce-scatter'
         fusion combines reduce-scatters into one all-reduce whose result it slices: it runs
         the reduce-scatter half, and is counted as the reduce-scatter it is."""
-        found = [c for line in comps[comp] for c in collectives_in(line, num_devices, local)]
+        found = [c for line in self.comps[comp] for c in self.collectives(line)]
         if comp.startswith("all-reduce-scatter"):
             found = [dataclasses.replace(c, kind="reduce-scatter") for c in found]
         return found
 
-    def walk(comp: str, seen: tuple) -> list[Scheduled]:
+    def walk(self, comp: str, seen: tuple) -> list[Scheduled]:
         out: list[Scheduled] = []
         pending: dict[str, list[Collective]] = {}  # started, not done: by start name
         beside_matmul: set[str] = set()  # of those, the ones a matmul was scheduled after
-        for line in comps.get(comp, ()):
+        for line in self.comps.get(comp, ()):
             m = _INSTR.match(line)
             if not m:
                 continue
             name, rhs = m.groups()
             op = _op(rhs)
             if op.endswith("-start") or name.startswith("async-collective-start"):
-                if found := inner(line):
+                if found := self.started(line):
                     pending[name] = found
                     continue
-            if op.endswith("-done") or name.startswith("async-collective-done"):
-                operand = re.search(r"-done\(%?([\w.\-]+)", rhs)
-                key = (
-                    name.replace("-done", "-start")
-                    if name.startswith("async-collective-done")
-                    else operand and operand.group(1)
-                )
-                if key in pending:
-                    out += [Scheduled(c, key in beside_matmul) for c in pending.pop(key)]
-                    continue
-            if op in COLLECTIVES:  # synchronous: nothing runs beside it
-                out += [Scheduled(c, False) for c in collectives_in(line, num_devices, local)]
+            if (key := _done_of(name, op, rhs)) in pending:
+                out += [Scheduled(c, key in beside_matmul) for c in pending.pop(key)]
                 continue
-            if op == "fusion":  # collectives fused synchronously, e.g. TPU's reduce-scatters
-                for callee in _callees(line):
-                    if not callee.startswith("async_collective"):  # not an in-flight one's step
-                        out += [Scheduled(c, False) for c in every_collective(callee)]
-            loop = _WHILE.search(rhs) if op == "while" else None
-            if loop and loop.group(2) not in seen:
-                trips = trip_count(line, comps.get(loop.group(1), []))
-                out += walk(loop.group(2), seen + (comp,)) * trips
-            elif op in ("call", "conditional"):
-                for callee in _callees(line):
-                    if callee not in seen:
-                        out += walk(callee, seen + (comp,))
-            if op in _MATMUL or any(map(has_matmul, _callees(line))):
+            if op in COLLECTIVES:  # synchronous: nothing runs beside it
+                out += [Scheduled(c, False) for c in self.collectives(line)]
+                continue
+            out += self.nested(line, op, rhs, comp, seen)
+            if op in _MATMUL or any(map(self.has_matmul, self.callees(line))):
                 beside_matmul |= pending.keys()
         # a start whose done this computation does not hold (e.g. across a loop boundary):
         # counted, as exposed (nothing here is known to run beside it)
-        out += [Scheduled(c, False) for found in pending.values() for c in found]
-        return out
+        return out + [Scheduled(c, False) for found in pending.values() for c in found]
 
-    return walk(entry, ()) if entry else []
+    def nested(self, line: str, op: str, rhs: str, comp: str, seen: tuple) -> list[Scheduled]:
+        """The collectives of what `line` calls: a fusion's (synchronous), a loop body's
+        (times its trips), a call's or a conditional branch's (in order)."""
+        if op == "fusion":  # collectives fused synchronously, e.g. TPU's reduce-scatters
+            return [  # not an in-flight one's step
+                Scheduled(c, False)
+                for callee in self.callees(line)
+                if not callee.startswith("async_collective")
+                for c in self.fused(callee)
+            ]
+        loop = _WHILE.search(rhs) if op == "while" else None
+        if loop and loop.group(2) not in seen:
+            trips = trip_count(line, self.comps.get(loop.group(1), []))
+            return self.walk(loop.group(2), seen + (comp,)) * trips
+        if op in ("call", "conditional"):
+            return [
+                s
+                for callee in self.callees(line)
+                if callee not in seen
+                for s in self.walk(callee, seen + (comp,))
+            ]
+        return []
+
+
+def _done_of(name: str, op: str, rhs: str) -> str | None:
+    """The start an async done instruction completes (None for any other instruction)."""
+    if name.startswith("async-collective-done"):
+        return name.replace("-done", "-start")
+    if op.endswith("-done"):
+        operand = re.search(r"-done\(%?([\w.\-]+)", rhs)
+        return operand and operand.group(1)
+    return None
 
 
 def overlap_bytes(scheduled: list[Scheduled]) -> tuple[float, float]:
