@@ -97,10 +97,29 @@ def test_functions_stay_short_enough_to_read():
     assert lengths["zerojax.hook.hooked_apply_fn"] <= 60
 
 
+def test_only_the_flax_adapters_import_flax():
+    # how Linen and NNX calls are caught and their state split lives in zerojax/flax; the
+    # engine, the collectives and the measurement know only pytrees (zerojax/models are examples)
+    importing = set()
+    for f in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            if any(n == "flax" or n.startswith("flax.") for n in names):
+                importing.add(_module(f))
+    outside = {m for m in importing if not m.startswith(("zerojax.flax.", "zerojax.models."))}
+    assert not outside, f"modules importing flax outside zerojax/flax: {sorted(outside)}"
+    assert "zerojax.flax.model_calls" in importing  # the test reads imports at all
+
+
 def test_only_the_boundary_asks_what_kind_of_state_it_has():
     # zerojax.state turns every kind of user state into the one pytree the engine sees
-    asking = [m for m, src in _sources().items() if "nnx.Pytree" in src or "is_nnx" in src]
-    assert asking == ["zerojax.state"]
+    # (the NNX adapter says what an NNX object is; only the boundary asks it)
+    sources = _sources()
+    assert [m for m, src in sources.items() if "nnx.Pytree" in src] == ["zerojax.flax.nnx"]
+    asking = [m for m, src in sources.items() if "is_nnx_object(" in src]
+    assert sorted(asking) == ["zerojax.flax.nnx", "zerojax.state"]
 
 
 def test_only_the_rules_decide_a_spec():

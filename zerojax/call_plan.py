@@ -66,13 +66,27 @@ class CallPlan:
         return {x.path: x.stored_ndim for x in self.leaves if x.role != OTHER}
 
 
+def dtype_of(option: str):
+    """The dtype a precision option names ('fp32', 'bf16', 'fp16')."""
+    return jnp.dtype(DTYPE_NAMES[option])
+
+
 def compute_dtype(cfg: ZeroConfig):
     """The dtype parameters compute in inside the model, None when it is their own (fp32)."""
-    return None if cfg.precision == "fp32" else jnp.dtype(DTYPE_NAMES[cfg.precision])
+    return None if cfg.precision == "fp32" else dtype_of(cfg.precision)
 
 
 def is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
+
+
+def with_values(flat: list, positions: list, values, tree):
+    """(args, kwargs) from flattened call arguments with the array leaves at `positions`
+    replaced by `values` (traced per-device or abstract stand-ins)."""
+    local = list(flat)
+    for i, v in zip(positions, values, strict=True):
+        local[i] = v
+    return jax.tree_util.tree_unflatten(tree, local)
 
 
 def plan_call(
@@ -102,7 +116,7 @@ def plan_call(
             leaves.append(LeafCall(jax.tree_util.keystr(p), OTHER))
             continue
         path, plan = path_str(p[1:]), layout.param_plan(p[1:], x)
-        spec, grad = (P(), P()) if plan is None else (plan.spec, plan.grad_spec)
+        spec, grad = (P(), P()) if plan is None else (plan.spec, plan.grad_spec or P())
         leaves.append(
             LeafCall(
                 path,

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import msgpack
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import serialization
 
 from zerojax.checkpoint import nest, orbax_manager
 from zerojax.checkpoint_health import saved_leaves, saved_step, step_problems
@@ -151,9 +150,18 @@ def _write_safetensors(f, params, path, dtype, step):
         f.write(_read_leaf(path, ("params", *keys), meta, dtype).reshape(-1).view(np.uint8).data)
 
 
+MSGPACK_NDARRAY = 1  # the msgpack extension code flax.serialization reads an array from
+
+
+def _pack_array(x: np.ndarray) -> msgpack.ExtType:
+    """An array as flax.serialization's ndarray extension: (shape, dtype name, C-order bytes)."""
+    data = (x.shape, x.dtype.name, np.ascontiguousarray(x).tobytes())
+    return msgpack.ExtType(MSGPACK_NDARRAY, msgpack.packb(data, use_bin_type=True))
+
+
 def _write_msgpack(f, params, path, dtype):
     """A nested map, packed as flax.serialization does, written key by key."""
-    packer = msgpack.Packer(default=serialization._msgpack_ext_pack, use_bin_type=True)
+    packer = msgpack.Packer(default=_pack_array, use_bin_type=True)
 
     def write(node: dict, prefix: tuple):
         f.write(packer.pack_map_header(len(node)))

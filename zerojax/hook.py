@@ -10,7 +10,7 @@ single-device numbers. With fp16, the cotangent entering the model is multiplied
 scale and the parameter gradients are divided by it (in fp32) as they leave. "Per device"
 means per position on the data axes: a mesh's other axes (the model's tensor parallelism)
 stay XLA's. Each device draws its own RNG stream and the state a call writes comes back as
-one value (`zerojax.device_values`). `zerojax.model_calls` sends a step's model calls here.
+one value (`zerojax.device_values`). `zerojax.flax.model_calls` sends a step's model calls here.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax._src import config as jax_config  # the trace-context option, see fresh_traces
@@ -34,18 +33,19 @@ from zerojax.call_plan import (
     ApplyHookError,
     CallPlan,
     compute_dtype,
+    dtype_of,
     is_array,
     plan_call,
+    with_values,
 )
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
 from zerojax.comm.hierarchy import Comm, manual_over_data
 from zerojax.config import ZeroConfig
 from zerojax.device_values import combine_state, fold_keys
 from zerojax.errors import warn
-from zerojax.flax.gather import LAYER, GatherContext, gather_context
-from zerojax.flax.units import discovering, intercept, select_units
+from zerojax.flax.gather import LAYER, GatherContext
+from zerojax.flax.units import discovering, running_units, select_units
 from zerojax.offload import activation_policy
-from zerojax.optim import DTYPES
 from zerojax.rules import PARAMS, StateLayout, key_name
 
 _RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
@@ -64,18 +64,6 @@ def model_running():
         yield
     finally:
         _RUNNING_MODEL.reset(token)
-
-
-NNX_STATE = "nnx_state"  # the key an NNX model's other state travels under through the hook
-
-
-def with_values(flat: list, positions: list, values, tree):
-    """(args, kwargs) from flattened call arguments with the array leaves at `positions`
-    replaced by `values` (traced per-device or abstract stand-ins)."""
-    local = list(flat)
-    for i, v in zip(positions, values, strict=True):
-        local[i] = v
-    return jax.tree_util.tree_unflatten(tree, local)
 
 
 def hooked_apply_fn(
@@ -158,7 +146,7 @@ class Runner:
             comm,
             (
                 pick(whole, "compute_dtype"),
-                DTYPES[self.cfg.grad_reduce_dtype],
+                dtype_of(self.cfg.grad_reduce_dtype),
                 tuple(leaves[i].dtype for i in whole),
             ),
         )
@@ -208,7 +196,7 @@ class Runner:
                 whole = dict(zip(paths, jax.lax.stop_gradient(wholes), strict=True))
             ctx = self.gather_context(scale, whole)
         extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
-        with gather_context(ctx), nn.intercept_methods(intercept):
+        with running_units(ctx):
             out = self.model(variables_local, values, extra)
         if not self.returns_state:
             _check_outputs(out, local_rows)
@@ -226,7 +214,7 @@ class Runner:
         return GatherContext(
             comm=self.comm,
             compute_dtype=compute_dtype(self.cfg),
-            reduce_dtype=DTYPES[self.cfg.grad_reduce_dtype],
+            reduce_dtype=dtype_of(self.cfg.grad_reduce_dtype),
             config=self.cfg,
             units=frozenset(self.plan.units),
             split_dims=self.plan.split_dims,

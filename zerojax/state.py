@@ -15,10 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 
 from zerojax.config import ZeroConfig, ZeroError
-from zerojax.flax.nnx import NnxLayout
+from zerojax.flax.nnx import NnxLayout, is_nnx_object
 from zerojax.flax.nnx_managed import manage_objects
 from zerojax.optim import prepare_state
 
@@ -27,7 +26,7 @@ def _is_objects(x) -> bool:
     """Whether `x` (or, for a tuple, its first item) is an NNX module, optimizer or graph."""
     if isinstance(x, tuple) and x:
         x = x[0]
-    return isinstance(x, nnx.Pytree)
+    return is_nnx_object(x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +96,7 @@ def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:
 def _check_no_objects_after(rest: tuple) -> None:
     """An NNX object in or after the batch would be changed on a copy inside the compiled
     step and its changes lost (`nnx.jit` keeps them): refused, with where it goes."""
-    found = [
-        x
-        for x in jax.tree_util.tree_leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Pytree))
-        if isinstance(x, nnx.Pytree)
-    ]
+    found = [x for x in jax.tree_util.tree_leaves(rest, is_leaf=is_nnx_object) if is_nnx_object(x)]
     if found:
         names = ", ".join(type(x).__name__ for x in found)
         raise ZeroError(
@@ -113,7 +108,7 @@ def _check_no_objects_after(rest: tuple) -> None:
 
 class _Passed:
     """Where an NNX object stood in a model call's arguments (it travels as state through the
-    per-device hook, `model_calls.nnx_calls_hooked`)."""
+    per-device hook, `flax.model_calls.nnx_calls_hooked`)."""
 
     def __init__(self, index: int):
         self.index = index
@@ -121,10 +116,10 @@ class _Passed:
 
 def objects_out(tree):
     """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Pytree))
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_nnx_object)
     passed: list = []
     for i, x in enumerate(leaves):
-        if isinstance(x, nnx.Pytree):
+        if is_nnx_object(x):
             leaves[i] = _Passed(len(passed))
             passed.append(x)
     return jax.tree_util.tree_unflatten(treedef, leaves), passed

@@ -29,10 +29,10 @@ from zerojax.checks import check_arity, check_call
 from zerojax.comm.hierarchy import manual_over_data
 from zerojax.config import ZeroError
 from zerojax.errors import once_per, warn
+from zerojax.flax.model_calls import linen_calls_hooked, nnx_calls_hooked
 from zerojax.flax.nnx_managed import ManagedObjects
 from zerojax.hook import hooked_apply_fn
 from zerojax.local_step import local_body
-from zerojax.model_calls import linen_calls_hooked, nnx_calls_hooked
 from zerojax.offload import optimizer_on_host, to_device, to_storage
 from zerojax.optim import (
     ZeroOptState,

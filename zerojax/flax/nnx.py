@@ -26,6 +26,12 @@ NNX_UNMANAGED = (
 )
 
 
+def is_nnx_object(x) -> bool:
+    """Whether `x` is an NNX object (a module, an optimizer, a graph of them): what
+    `zerojax.state`, the one place that asks, tells apart from a pytree state."""
+    return isinstance(x, nnx.Pytree)
+
+
 def nnx_building():
     """The context `zero.init` builds models in: variables keep their sharding metadata but
     are not sharded eagerly (zerojax places the whole state afterwards)."""

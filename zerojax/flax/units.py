@@ -23,7 +23,7 @@ import numpy as np
 from flax.core.scope import Scope
 
 from zerojax.errors import warn
-from zerojax.flax.gather import current_context, gather_unit
+from zerojax.flax.gather import GatherContext, current_context, gather_context, gather_unit
 
 UNIT_MARK = "_zerojax_unit"
 
@@ -120,6 +120,14 @@ def discovering():
             yield calls
     finally:
         _DISCOVERY.pop()
+
+
+@contextlib.contextmanager
+def running_units(ctx: GatherContext | None):
+    """Inside, the per-device Linen model runs with `ctx` in force: each call on one of its
+    units gathers the unit's weights (or, stages 1-2, reduces its gradient in place)."""
+    with gather_context(ctx), nn.intercept_methods(intercept):
+        yield
 
 
 def select_units(calls: dict, units) -> frozenset:

@@ -14,10 +14,10 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
-from zerojax.call_plan import is_array
+from zerojax.call_plan import is_array, with_values
 from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx_calls import routed, split_params, with_params
-from zerojax.hook import NNX_STATE, model_running, running_model, with_values
+from zerojax.hook import model_running, running_model
 from zerojax.rules import PARAMS
 from zerojax.state import objects_in, objects_out
 
@@ -103,6 +103,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
         yield
 
 
+NNX_STATE = "nnx_state"  # the key an NNX model's other state travels under through the hook
 NNX_ARGS = "nnx_args"  # the key NNX objects passed to a call travel under through the hook
 
 
