@@ -4,6 +4,7 @@ steps, and every public `zero.*` function takes NNX objects and typed PRNG keys.
 import ast
 import gc
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -72,6 +73,35 @@ def test_imports_run_one_way_and_touch_no_private_name():
     assert not cycles, f"import cycles: {cycles}"
 
 
+def _layers() -> list[tuple[str, set]]:
+    """[(layer, {module})] of docs/design.md's layer table, from the top layer down."""
+    section = (PACKAGE.parent / "docs" / "design.md").read_text().split("## 1. Layers")[1]
+    rows = []
+    for line in section.split("\n## ")[0].splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) < 5 or cells[1] in ("layer", "---"):
+            continue
+        files = re.findall(r"`([\w/]+)\.py`", cells[2])
+        rows.append((cells[1], {".".join(["zerojax", *f.split("/")]) for f in files}))
+    return [(name, {m.removesuffix(".__init__") for m in mods}) for name, mods in rows]
+
+
+def test_imports_go_down_the_layers_of_the_design():
+    layers = _layers()
+    row = {m: i for i, (_, mods) in enumerate(layers) for m in mods}
+    listed = [m for _, mods in layers for m in mods]
+    modules = {m for m in _imports() if not m.startswith("zerojax.models")}
+    assert sorted(listed) == sorted(modules), "each module in exactly one row of the table"
+    upward = [
+        f"{m} ({layers[row[m]][0]}) imports {t} ({layers[row[t]][0]})"
+        for m, edges in _imports().items()
+        if m in row
+        for t, _ in edges
+        if t in row and row[t] < row[m]
+    ]
+    assert not upward, upward
+
+
 @pytest.mark.parametrize("order", [1, -1])
 def test_modules_import_in_either_order(order):
     names = ["zerojax.flax.nnx", "zerojax.step", "zerojax.config", "zerojax.deepspeed"][::order]
@@ -95,6 +125,28 @@ def test_functions_stay_short_enough_to_read():
     }
     assert not {name: n for name, n in lengths.items() if n > 80}
     assert lengths["zerojax.hook.hooked_apply_fn"] <= 60
+
+
+def test_one_context_variable_and_no_module_state_written_while_tracing():
+    # what the traced step hands to the code Flax and optax call back travels in one frozen
+    # trace_scope.Scope; no module keeps a list or dict it fills (caches are functools')
+    sources = _sources()
+    holding = [m for m, src in sources.items() if "ContextVar(" in src]
+    assert holding == ["zerojax.trace_scope"]
+    filled = []
+    for f in PACKAGE.rglob("*.py"):
+        text = f.read_text()
+        for node in ast.parse(text).body:
+            target = node.target if isinstance(node, ast.AnnAssign) else None
+            if isinstance(node, ast.Assign) and len(node.targets) == 1:
+                target = node.targets[0]
+            value = getattr(node, "value", None)
+            if isinstance(target, ast.Name) and isinstance(value, (ast.Dict, ast.List, ast.Set)):
+                writes = rf"\b{target.id}(\[[^]]*\] =|\.(append|add|update|pop|setdefault)\()"
+                if re.search(writes, text):
+                    filled.append(f"{_module(f)}.{target.id}")
+    # written once, as zerojax sets XLA_FLAGS (at import, or as `zerojax plan` starts): no trace
+    assert filled == ["zerojax.xla_flags._STATUS"], f"module-level containers written: {filled}"
 
 
 def test_only_the_flax_adapters_import_flax():

@@ -1,6 +1,8 @@
 """ZeroConfig: every zerojax option, its default and its meaning, in one frozen dataclass.
 
-This module imports no jax, so configs can be built, validated and explained anywhere.
+ZeroConfig computes nothing with jax: configs are built, validated and explained before any
+device exists. (Importing it imports jax and optax all the same: the DeepSpeed reader it uses
+knows the optimizer blocks `ds_optimizer` builds as optax.)
 """
 
 from __future__ import annotations

@@ -4,13 +4,14 @@ place a zerojax warning is given, and `-W ...::zerojax.ZeroWarning` honoured (no
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import difflib
 import os
 import re
 import sys
 import sysconfig
 import warnings
+
+from zerojax.trace_scope import current, scoped
 
 
 class ZeroError(ValueError):
@@ -46,20 +47,13 @@ _LIBRARY_DIRS = tuple(
 )
 
 
-# the set of messages given so far by the zero whose call is running (see `once_per`)
-_SAID: contextvars.ContextVar[set | None] = contextvars.ContextVar("zerojax_said", default=None)
-
-
 @contextlib.contextmanager
 def once_per(said: set):
     """Within: a `warn` without its own set appears once per `said` (a zero's record of what
     it has said), e.g. a warning given while a step is traced again for another variant. The
     outermost set wins, so a zero working for another (memory_budget's trials) says it once."""
-    token = _SAID.set(_SAID.get() if _SAID.get() is not None else said)
-    try:
+    with scoped(said=current().said if current().said is not None else said):
         yield
-    finally:
-        _SAID.reset(token)
 
 
 def warn(message: str, said: set | None = None, cause: str | None = None) -> None:
@@ -67,7 +61,7 @@ def warn(message: str, said: set | None = None, cause: str | None = None) -> Non
     the standard library and installed packages, so outside jax's tracing too). `said`, what
     its owner has said (inside `once_per`, that set instead), makes each `cause` (by default
     the message itself) appear once for that owner."""
-    said = said if _SAID.get() is None else _SAID.get()
+    said = said if current().said is None else current().said
     if said is not None:
         if (cause or message) in said:
             return

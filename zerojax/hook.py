@@ -16,7 +16,6 @@ one value (`zerojax.device_values`). `zerojax.flax.model_calls` sends a step's m
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import itertools
@@ -47,23 +46,19 @@ from zerojax.flax.gather import LAYER, GatherContext
 from zerojax.flax.units import discovering, running_units, select_units
 from zerojax.offload import activation_policy
 from zerojax.rules import PARAMS, StateLayout, key_name
-
-_RUNNING_MODEL = contextvars.ContextVar("zerojax_running_model", default=False)
+from zerojax.trace_scope import current, scoped
 
 
 def running_model() -> bool:
     """Whether the per-device model is being traced (its own module calls are not hooked)."""
-    return _RUNNING_MODEL.get()
+    return current().running_model
 
 
 @contextlib.contextmanager
 def model_running():
     """Inside, `running_model()` is true."""
-    token = _RUNNING_MODEL.set(True)
-    try:
+    with scoped(running_model=True):
         yield
-    finally:
-        _RUNNING_MODEL.reset(token)
 
 
 def hooked_apply_fn(
@@ -213,8 +208,6 @@ class Runner:
         """What the units of this call need to gather (or, `whole`, to reduce in place)."""
         return GatherContext(
             comm=self.comm,
-            compute_dtype=compute_dtype(self.cfg),
-            reduce_dtype=dtype_of(self.cfg.grad_reduce_dtype),
             config=self.cfg,
             units=frozenset(self.plan.units),
             split_dims=self.plan.split_dims,

@@ -15,7 +15,6 @@ parameters that code returned (a projection it made is kept) and counts optimize
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from zerojax.config import DTYPE_NAMES, ZeroConfig, ZeroError
+from zerojax.trace_scope import current, scoped
 
 DTYPES = {option: jnp.dtype(name) for option, name in DTYPE_NAMES.items()}
 
@@ -44,9 +44,6 @@ class ZeroOptState(NamedTuple):
     overflow_at_min_scale: jax.Array  # bool: overflowed with the scale already at its minimum
 
 
-_UPDATE = contextvars.ContextVar("zerojax_update", default=None)
-
-
 @contextlib.contextmanager
 def updating(update):
     """While a step is traced, `ZeroTx.update(grads, state, params)` returns
@@ -58,11 +55,8 @@ def updating(update):
         calls.append(grads)
         return update(tx, grads, state, params)
 
-    token = _UPDATE.set(counted)
-    try:
+    with scoped(update=counted):
         yield calls
-    finally:
-        _UPDATE.reset(token)
 
 
 def capture_gradients():
@@ -95,7 +89,7 @@ class ZeroTx:
         )
 
     def update(self, grads, state, params=None, **extra_args):
-        update = _UPDATE.get()
+        update = current().update
         if update is None:
             raise ZeroError(
                 "apply_gradients on a zerojax-managed state only works inside a "

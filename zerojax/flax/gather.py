@@ -24,7 +24,6 @@ from it inside the node instead of across all devices.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import re
 
@@ -34,6 +33,7 @@ import numpy as np
 from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
+from zerojax.call_plan import compute_dtype, dtype_of
 from zerojax.comm.flat import pack_full, pack_shards, unpack_full, unpack_shards
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
@@ -47,13 +47,9 @@ from zerojax.comm.hierarchy import (
 from zerojax.config import ZeroConfig
 from zerojax.device_values import varying
 from zerojax.errors import warn
+from zerojax.trace_scope import current, scoped
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
-
-_CONTEXT: contextvars.ContextVar[GatherContext | None] = contextvars.ContextVar(
-    "zerojax_gather_context", default=None
-)
-_INSIDE = contextvars.ContextVar("zerojax_inside_unit", default=False)
 
 
 @dataclasses.dataclass
@@ -64,32 +60,37 @@ class GatherContext:
     config: ZeroConfig  # prefetch, recompute_units, keep_gathered, unit_buffers, offload_*
     split_dims: dict = dataclasses.field(default_factory=dict)  # parameter path -> dim or None
     stored_ndim: dict = dataclasses.field(default_factory=dict)  # path -> ndim stored (scanned)
-    compute_dtype: object = None  # None keeps the stored dtype
-    reduce_dtype: object = None
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
     whole: dict | None = None  # stages 1-2: path -> the step's whole weight (nothing gathered)
 
+    @property
+    def compute_dtype(self):
+        """The dtype units compute in (None: the stored one)."""
+        return compute_dtype(self.config)
+
+    @property
+    def reduce_dtype(self):
+        """The dtype a unit's gradient is reduce-scattered in."""
+        return dtype_of(self.config.grad_reduce_dtype)
+
 
 @contextlib.contextmanager
 def gather_context(ctx: GatherContext | None):
     """`ctx` in force for the units of the model traced inside."""
-    token = _CONTEXT.set(ctx)
-    try:
+    with scoped(gather=ctx):
         yield ctx
-    finally:
-        _CONTEXT.reset(token)
 
 
 def inside_unit() -> bool:
     """Whether a unit's own modules are being traced (they run on its gathered weights)."""
-    return _INSIDE.get()
+    return current().inside_unit
 
 
 def current_context() -> GatherContext | None:
     """The context of the stage-3 step being traced, or None outside one and inside a unit."""
-    return None if _INSIDE.get() else _CONTEXT.get()
+    return None if current().inside_unit else current().gather
 
 
 def gather_unit(module, method: str, args, kwargs):
@@ -146,15 +147,12 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
     `prefix`) are gathered only while it runs; `extra` holds what else it reads (other
     collections, RNG keys), passed through undifferentiated. Linen's and NNX's units both run
     through here."""
-    ctx = _CONTEXT.get()
+    ctx = current().gather
     assert ctx is not None, "a unit runs inside a zerojax stage-3 step"
 
     def inside(params, extra, a, k):
-        token = _INSIDE.set(True)  # modules inside the unit run on the gathered weights as is
-        try:
+        with scoped(inside_unit=True):  # modules inside the unit run on the gathered weights
             return apply(params, extra, a, k)
-        finally:
-            _INSIDE.reset(token)
 
     dims = jax.tree_util.tree_map_with_path(lambda p, x: _layer_dim(ctx, prefix, p, x), shards)
     scanned = any(

@@ -13,7 +13,7 @@ one (`flax.units.dispatch`).
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import functools
 import inspect
 
 import jax
@@ -21,31 +21,23 @@ from flax import nnx
 
 from zerojax.flax.gather import run_unit
 from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
-
-# handler(module, call, path, args, kwargs) for roots' calls, while a zerojax step is traced
-_ROOT_HANDLER: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_root", default=None)
-# {module path: its parameters' dims as stored} of the routed objects (scanned stacks have one
-# more per leaf than the slice `nnx.scan` calls)
-_STORED_DIMS: contextvars.ContextVar = contextvars.ContextVar("zerojax_nnx_dims", default=None)
-_ROUTED: dict = {}  # (class, path, root?) -> routed subclass
+from zerojax.trace_scope import current, scoped
 
 
+@functools.cache  # one routed subclass per (class, path, root?): a model traced again reuses it
 def _routed_class(cls, path: str, root: bool):
-    key = (cls, path, root)
-    if key not in _ROUTED:
-        routed = type(
-            cls.__name__,
-            (cls,),
-            {
-                **{name: _routed_method(name) for name in _methods(cls)},
-                "_zerojax_class": cls,
-                "_zerojax_path": path,
-                "_zerojax_root": root,
-            },
-        )
-        routed.__qualname__, routed.__module__ = cls.__qualname__, cls.__module__
-        _ROUTED[key] = routed
-    return _ROUTED[key]
+    routed = type(
+        cls.__name__,
+        (cls,),
+        {
+            **{name: _routed_method(name) for name in _methods(cls)},
+            "_zerojax_class": cls,
+            "_zerojax_path": path,
+            "_zerojax_root": root,
+        },
+    )
+    routed.__qualname__, routed.__module__ = cls.__qualname__, cls.__module__
+    return routed
 
 
 def _methods(cls) -> list[str]:
@@ -72,7 +64,7 @@ def _routed_method(name: str):
         sub = type(self)
         cls, path = sub._zerojax_class, sub._zerojax_path
         original = lambda m, *a, **k: getattr(cls, name)(m, *a, **k)
-        handler = _ROOT_HANDLER.get()
+        handler = current().nnx_handler
         if name == "__call__" and sub._zerojax_root and handler is not None:
             return handler(self, original, path, args, kwargs)
         return dispatch(
@@ -99,15 +91,14 @@ def routed(objs: tuple, prefixes: tuple, handler):
         for path, node in nnx.iter_graph(obj):
             cls = type(node)
             if isinstance(node, nnx.Module) and not hasattr(cls, "_zerojax_class"):
-                sub = _routed_class(cls, _path(prefix, path), root=not path)
+                # (a class is hashable; mypy's stubs for functools.cache say otherwise)
+                sub = _routed_class(cls, _path(prefix, path), root=not path)  # type: ignore[arg-type]
                 object.__setattr__(node, "__class__", sub)
                 dims[sub._zerojax_path] = _param_dims(node)
-    tokens = _ROOT_HANDLER.set(handler), _STORED_DIMS.set(dims)
-    try:
+    # the roots' calls go to `handler`; a scanned stack's parameters have one more dim as
+    # stored than the slice `nnx.scan` calls
+    with scoped(nnx_handler=handler, nnx_dims=dims):
         yield
-    finally:
-        _ROOT_HANDLER.reset(tokens[0])
-        _STORED_DIMS.reset(tokens[1])
 
 
 def _param_dims(module) -> int:
@@ -131,7 +122,7 @@ def _record(module, path: str) -> ModuleCall:
     return ModuleCall(
         path,
         type(module)._zerojax_class.__name__,
-        lifted=_param_dims(module) < (_STORED_DIMS.get() or {}).get(path, 0),  # nnx.scan's slice
+        lifted=_param_dims(module) < (current().nnx_dims or {}).get(path, 0),  # nnx.scan's slice
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(jax.tree_util.tree_leaves(params)),
         param_ndims=leaf_ndims(nnx.to_pure_dict(params)),

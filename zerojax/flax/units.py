@@ -24,6 +24,7 @@ from flax.core.scope import Scope
 
 from zerojax.errors import warn
 from zerojax.flax.gather import GatherContext, current_context, gather_context, gather_unit
+from zerojax.trace_scope import current, scoped
 
 UNIT_MARK = "_zerojax_unit"
 
@@ -48,16 +49,13 @@ class ModuleCall:
     param_ndims: tuple = ()  # ((leaf path below the module, ndim seen by the call), ...)
 
 
-_DISCOVERY: list = []  # {path: ModuleCall} of each discovery in progress (innermost last)
-
-
 def intercept(next_fun, args, kwargs, context):
     """The interceptor zerojax's per-device Linen model runs under (see `dispatch`): every
     public method of a module (`__call__`, `Embed.attend`, ...), so that any method called
     on a unit runs on its gathered weights."""
     module, method = context.module, context.method_name
     path = "/".join(module.path)
-    if method == "setup" and not _DISCOVERY and _is_unit(path):
+    if method == "setup" and current().discovery is None and _is_unit(path):
         return None  # on this device's shards it would fail; it runs on the gathered weights
     if not is_public_method(method) or module.is_initializing():
         return next_fun(*args, **kwargs)
@@ -79,9 +77,10 @@ def dispatch(path: str, record, run_unit, run):
     """One module call at `path` inside zerojax's per-device model: recorded (`record()` gives
     its ModuleCall) while units are being found, run as a gathered unit (`run_unit()`) when it
     is one of the step's units, else run as is (`run()`)."""
-    if _DISCOVERY:
-        if path not in _DISCOVERY[-1]:
-            _DISCOVERY[-1][path] = record()
+    found = current().discovery
+    if found is not None:
+        if path not in found:
+            found[path] = record()
         return run()
     return run_unit() if _is_unit(path) else run()
 
@@ -114,12 +113,8 @@ def leaf_ndims(params) -> tuple:
 def discovering():
     """Inside, a traced model's module calls are recorded in the dict it yields."""
     calls: dict = {}
-    _DISCOVERY.append(calls)
-    try:
-        with nn.intercept_methods(intercept):
-            yield calls
-    finally:
-        _DISCOVERY.pop()
+    with scoped(discovery=calls), nn.intercept_methods(intercept):
+        yield calls
 
 
 @contextlib.contextmanager
