@@ -73,7 +73,7 @@ def dtype_of(option: str):
 
 def compute_dtype(cfg: ZeroConfig):
     """The dtype parameters compute in inside the model, None when it is their own (fp32)."""
-    return None if cfg.precision == "fp32" else dtype_of(cfg.precision)
+    return dtype_of(cfg.precision) if cfg.uses_16bit else None
 
 
 def is_array(x) -> bool:

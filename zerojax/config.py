@@ -490,10 +490,25 @@ class ZeroConfig:
         )
 
     @property
+    def uses_16bit(self) -> bool:
+        """bf16 or fp16: parameters stored and computed in 16 bits over fp32 master weights."""
+        return self.precision != "fp32"
+
+    @property
+    def scales_loss(self) -> bool:
+        """fp16: the loss is scaled (a static `loss_scale`, or dynamically)."""
+        return self.precision == "fp16"
+
+    @property
+    def scales_loss_dynamically(self) -> bool:
+        """fp16 without a static `loss_scale`: DeepSpeed's dynamic loss scaler."""
+        return self.scales_loss and not self.loss_scale
+
+    @property
     def manages_update(self) -> bool:
         """Whether zerojax takes over the update (master weights, scaling, accumulation, clip)."""
         return (
-            self.precision != "fp32"
+            self.uses_16bit
             or self.optimizer_state_dtype != "fp32"
             or self.gradient_accumulation_steps > 1
             or self.gradient_clipping > 0

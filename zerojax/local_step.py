@@ -24,7 +24,7 @@ def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extr
     the step's other outputs averaged over devices)."""
     axis, n = comm.data_axis, comm.data_size
     original = state.apply_fn
-    scale = state.opt_state.scale if cfg.precision == "fp16" else None
+    scale = state.opt_state.scale if cfg.scales_loss else None
     view = state.replace(
         params=cast_floating(state.params, jnp.float32),
         apply_fn=local_apply_fn(original, cfg, calls, axis, local_rows(batch), scale),

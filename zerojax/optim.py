@@ -162,7 +162,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
     local = cfg.accumulates_locally and not _own_update(state, cfg)
     opt = ZeroOptState(
         inner=store_optimizer_state(state.opt_state, cfg),
-        master=params32 if cfg.precision != "fp32" else (),
+        master=params32 if cfg.uses_16bit else (),
         accum=zeros(()) if k > 1 and not local else (),
         per_device=zeros((axis_size,)) if local else (),
         micro=jnp.zeros((), jnp.int32),
@@ -194,7 +194,7 @@ def _own_update(state, cfg: ZeroConfig) -> bool:
 
 def initial_scaler(cfg: ZeroConfig) -> dict:
     """The loss scaler's counters and metrics as a fresh state starts them."""
-    scale = (cfg.loss_scale or 2.0**cfg.initial_scale_power) if cfg.precision == "fp16" else 1.0
+    scale = (cfg.loss_scale or 2.0**cfg.initial_scale_power) if cfg.scales_loss else 1.0
     return dict(
         scale=jnp.asarray(scale, jnp.float32),
         good_steps=jnp.zeros((), jnp.int32),
@@ -244,7 +244,7 @@ def _optimizer_step(tx, opt: ZeroOptState, grads, master, cfg: ZeroConfig, run):
     if k > 1:
         grads = jax.tree_util.tree_map(lambda g: g / k, grads)
     norm = optax.tree.norm(grads)
-    checks = cfg.precision == "fp16" or cfg.on_nonfinite != "off"
+    checks = cfg.scales_loss or cfg.on_nonfinite != "off"
     finite = jnp.isfinite(norm) if checks else jnp.asarray(True)
     if cfg.gradient_clipping > 0:
         grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
@@ -337,7 +337,7 @@ def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):
     """DeepSpeed's DynamicLossScaler: an overflow skips the step and, once `hysteresis`
     overflows have been seen, halves the scale (not below min_loss_scale); every
     `loss_scale_window` clean steps double it and restore the hysteresis."""
-    if cfg.precision != "fp16" or cfg.loss_scale:
+    if not cfg.scales_loss_dynamically:
         return opt.scale, opt.good_steps, opt.hysteresis, jnp.asarray(False)
     overflow = ~finite
     drop = overflow & (opt.hysteresis <= 1)

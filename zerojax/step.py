@@ -116,7 +116,7 @@ class ZeroStep:
         if cfg.gradient_accumulation_steps > 1:
             self._last_micro = weakref.ref(opt.micro)
             self._next_micro = (micro_index + 1) % cfg.gradient_accumulation_steps
-        if cfg.precision == "fp16" and not cfg.loss_scale:
+        if cfg.scales_loss_dynamically:
             self._min_scale_flag = opt.overflow_at_min_scale
         if cfg.on_nonfinite != "off" and not self._is_micro(micro_index):
             self._nonfinite_flag = (opt.last_skipped, step, opt.skipped)
@@ -251,7 +251,7 @@ class ZeroStep:
             out = self._traced_local(layout, shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
-        return finish(out, state, shardings, cast=cfg.precision != "fp32" and not micro)
+        return finish(out, state, shardings, cast=cfg.uses_16bit and not micro)
 
     def _traced_objects(self, objects, layout, shardings, batch_rows, micro, state, batch, *extra):
         """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
@@ -301,7 +301,7 @@ class ZeroStep:
                     "optimizer.update(model, grads)."
                 ) from None
         self._traced_calls(calls)
-        if managed and cfg.precision != "fp32" and not calls:
+        if managed and cfg.uses_16bit and not calls:
             raise ZeroError(
                 f"precision={cfg.precision!r} casts the parameters where the model runs per "
                 f"device, which this step rules out: {self._fallback_reason()}. Train in "
@@ -312,7 +312,7 @@ class ZeroStep:
             managed.finish()
         new = objects.to_state(objs)
         master = getattr(zero_opt_state(shardings), "master", ())
-        if cfg.precision != "fp32" and not micro and same_structure(new[PARAMS], master):
+        if cfg.uses_16bit and not micro and same_structure(new[PARAMS], master):
             new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
         return to_storage(new, shardings), out
 
@@ -327,7 +327,7 @@ class ZeroStep:
         cfg = self.zero.config
         original, calls = getattr(state, "apply_fn", None), []
         managed = cfg.manages_update
-        scale = state.opt_state.scale if managed and cfg.precision == "fp16" else None
+        scale = state.opt_state.scale if managed and cfg.scales_loss else None
         view = state
         if managed:  # fp32 views laid out as the parameters are stored (not as the master)
             params = cast_floating(state.params, jnp.float32)
@@ -336,7 +336,7 @@ class ZeroStep:
         hook = self._hook(layout, batch_rows, calls, scale)
         if explicit and callable(original) and hasattr(state, "replace"):
             view = view.replace(apply_fn=hook(original))
-        elif managed and cfg.precision != "fp32":
+        elif managed and cfg.uses_16bit:
             raise ZeroError(
                 "16-bit precision casts parameters where state.apply_fn uses them, which the "
                 "step does not do: keep explicit_collectives=True and call state.apply_fn in "

@@ -125,7 +125,7 @@ class ManagedObjects:
 
     @property
     def scale(self):
-        return self.buffers.get_value().scale if self.cfg.precision == "fp16" else None
+        return self.buffers.get_value().scale if self.cfg.scales_loss else None
 
     def update(self, tx, grads, state, params):
         """`ZeroTx.update(grads, state, params)` as Flax's `optimizer.update` calls it, with
