@@ -78,7 +78,7 @@ def hooked_apply_fn(
     `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
     returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
     `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). Each call
-    is planned from shapes (`zerojax.call_plan`) and run per device by `run_call`. See
+    is planned from shapes (`zerojax.call_plan`) and run per device by a `Runner`. See
     `zerojax.device_values` for what each device draws and how written state becomes one."""
     linen = stateful is None
 
@@ -162,12 +162,14 @@ class Runner:
             tuple(batch if b else P() for b in plan.batch_args),
             P(),
         )
-        body = functools.partial(self.body, jax.tree_util.tree_structure(variables), variables)
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
+        other_paths = [paths[i] for i in plan.where(OTHER)]  # to match the state written
+        body = functools.partial(self.body, jax.tree_util.tree_structure(variables), other_paths)
         return manual_over_data(body, self.mesh, comm, in_specs, out_specs)(
             copies, shards, wholes, others, rngs, values, scale
         )
 
-    def body(self, var_tree, variables, copies, shards, wholes, others, rngs, values, scale):
+    def body(self, var_tree, other_paths, copies, shards, wholes, others, rngs, values, scale):
         """The model on this device's rows, with its parameters as the plan says."""
         plan, axis = self.plan, self.comm.data_axis
         local_rows = {r // self.comm.data_size for r in self.batch_rows}
@@ -198,10 +200,7 @@ class Runner:
             return out
         out, written = _split_stateful(out)
         _check_outputs(out, local_rows)
-        given = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
-        received = {  # unfolded, keyed as written
-            given[i]: x for i, x in zip(plan.where(OTHER), others, strict=True)
-        }
+        received = dict(zip(other_paths, others, strict=True))  # unfolded, keyed as written
         return out, combine_state(written, received, axis, local_rows)
 
     def gather_context(self, scale, whole) -> GatherContext:
