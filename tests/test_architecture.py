@@ -188,14 +188,15 @@ def test_only_the_rules_decide_a_spec():
         and m != "zerojax.config"
     ]
     assert not stage_numbers, f"stage compared outside ZeroConfig's properties: {stage_numbers}"
-    # likewise what a precision implies (uses_16bit, scales_loss, scales_loss_dynamically)
+    # likewise what a precision or an offload implies (uses_16bit, scales_loss, offloads_params,
+    # updates_on_host...)
     precisions = [
         m
         for m, src in _sources().items()
         for line in src.splitlines()
-        if re.search(r"precision (==|!=|in) ", line) and m != "zerojax.config"
+        if re.search(r"(precision|offload_\w+) (==|!=|in) ", line) and m != "zerojax.config"
     ]
-    assert not precisions, f"precision compared outside ZeroConfig's properties: {precisions}"
+    assert not precisions, f"compared outside ZeroConfig's properties: {precisions}"
 
 
 def test_a_layout_is_computed_once_per_structure():

@@ -126,3 +126,15 @@ def test_deepspeed_batch_arithmetic(given, n, want):
 def test_deepspeed_batch_contradictions_fail_with_the_numbers(given, n, match):
     with pytest.raises(zj.ZeroError, match=match):
         zj.ZeroConfig(**given).for_devices(n)
+
+
+def test_what_needs_the_accumulation_count_says_when_it_is_not_known_yet():
+    # 'auto' is inferred from the batch sizes for a device count; asked before, a ZeroError
+    # says where to read it (it was a TypeError comparing 'auto' with 1)
+    cfg = zj.ZeroConfig(
+        stage=2, gradient_accumulation_steps="auto", train_batch_size=64, micro_batch_size=4
+    )
+    with pytest.raises(zj.ZeroError, match="for_devices"):
+        _ = cfg.manages_update
+    resolved = cfg.for_devices(8)  # 64 = 4 per device x k x 8 devices
+    assert resolved.accumulation_steps == 2 and resolved.manages_update

@@ -30,7 +30,7 @@ class ZeroConfig:
     """ZeRO stage. 0: data parallel. 1: optimizer state sharded. 2: gradients too.
     3: parameters too, gathered on use. (DeepSpeed's default is 0 as well.)"""
 
-    axis: Any = "data"
+    axis: str | tuple[str, ...] = "data"
     """Mesh axis over which state is sharded and the batch is split (a tuple of names shards
     over several axes at once). On a ('node', 'local') mesh from `zj.make_mesh(local=...)`
     zerojax uses both axes (MiCS: 'local' only) whatever this says."""
@@ -62,7 +62,7 @@ class ZeroConfig:
     first unit's gather is left to XLA's
     collective pipeliner on GPU (set by zerojax.xla_flags) and later ones wait for their input."""
 
-    units: Any = "auto"
+    units: str | tuple[str, ...] = "auto"
     r"""Stage 3: the modules whose parameters are gathered only while they run, chosen from
     outside the model (Linen and NNX; see zerojax.flax.units). A regex or a tuple of them,
     matched whole against module class names or paths ('Block', r'layers_\d+/mlp', NNX
@@ -81,13 +81,13 @@ class ZeroConfig:
     checkpointing: no recomputation, the activations of every unit alive until backward).
     Either way the gathered weights are never kept between forward and backward."""
 
-    keep_gathered: Any = ()
+    keep_gathered: str | tuple[str, ...] = ()
     """Stage 3: regexes (matched whole) of unit paths whose gathered weights stay alive from
     forward to backward, which then gathers nothing for them: one all-gather less per unit and
     step, for those weights whole in memory in between (DeepSpeed's "selective unsharding").
     Usually chosen by `memory_budget`."""
 
-    memory_budget: Any = 0
+    memory_budget: int | float | str = 0
     """Stage 3: the most a device may hold at the compiled peak ('70GB', '800MiB', bytes, or a
     fraction of the device's memory such as 0.9; 0: no budget). At the first call zerojax
     compiles the step as is (the smallest peak: a ZeroError names it if the budget is below)
@@ -180,16 +180,16 @@ class ZeroConfig:
     and all-reduced across groups. -1: off (DeepSpeed's default)."""
 
     # ---- the update ----------------------------------------------------------------------------
-    gradient_accumulation_steps: Any = 1
+    gradient_accumulation_steps: int | str = 1
     """k: the step is called once per micro-batch and every k-th call applies the update with
     the mean of the k gradients (one optimizer step on a k-times larger batch). 'auto': inferred
     from train_batch_size and micro_batch_size once the device count is known."""
 
-    train_batch_size: Any = 0
+    train_batch_size: int | str = 0
     """DeepSpeed's train_batch_size: examples per optimizer step over all devices
     (= micro_batch_size x gradient_accumulation_steps x devices). 0: not set; 'auto': inferred."""
 
-    micro_batch_size: Any = 0
+    micro_batch_size: int | str = 0
     """DeepSpeed's train_micro_batch_size_per_gpu: examples per device per call of the step;
     when set, a batch of another size is an error. 0: not set; 'auto': inferred."""
 
@@ -211,12 +211,12 @@ class ZeroConfig:
     without fp16; fp16 always skips overflowing steps (loss scaling)."""
 
     # ---- host offload (DeepSpeed's `offload_optimizer` / `offload_param`) ---------------------
-    offload_optimizer: Any = "none"
+    offload_optimizer: str | Mapping[str, Any] = "none"
     """'cpu' (or DeepSpeed's {"device": "cpu", "pin_memory": true}): optimizer state and fp32
     master weights rest in pinned host memory between steps and stream to the device for the
     update inside the compiled step. Stages 1-3. 'none' keeps them on the device."""
 
-    offload_param: Any = "none"
+    offload_param: str | Mapping[str, Any] = "none"
     """Stage 3: 'cpu' keeps the parameter shards in pinned host memory between steps; they are
     brought to the device inside the step and written back with the update."""
 
@@ -483,11 +483,38 @@ class ZeroConfig:
         ]
 
     @property
+    def accumulation_steps(self) -> int:
+        """k, the micro-batches per optimizer step, once known ('auto' is inferred from the
+        batch sizes for a device count: `for_devices`, as `zero_shard` does)."""
+        k = self.gradient_accumulation_steps
+        if isinstance(k, str):
+            raise ZeroError(
+                f"gradient_accumulation_steps={k!r} is known once the device count is: read "
+                "zero_shard(...).config, or ZeroConfig.for_devices(n), not the config given."
+            )
+        return k
+
+    @property
     def accumulates_locally(self) -> bool:
         """Whether micro-batch gradients stay per device until the optimizer step."""
-        return self.gradient_accumulation_steps > 1 and (
+        return self.accumulation_steps > 1 and (
             self.accumulate == "local" or (self.accumulate == "auto" and not self.shards_parameters)
         )
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        """The optimizer state and master weights rest in pinned host memory."""
+        return self.offload_optimizer == "cpu"
+
+    @property
+    def offloads_params(self) -> bool:
+        """Stage 3: the parameter shards rest in pinned host memory between steps."""
+        return self.offload_param == "cpu"
+
+    @property
+    def updates_on_host(self) -> bool:
+        """The optimizer step itself runs on the host CPU, beside its offloaded state."""
+        return self.offload_update == "host"
 
     @property
     def uses_16bit(self) -> bool:
@@ -510,9 +537,9 @@ class ZeroConfig:
         return (
             self.uses_16bit
             or self.optimizer_state_dtype != "fp32"
-            or self.gradient_accumulation_steps > 1
+            or self.accumulation_steps > 1
             or self.gradient_clipping > 0
-            or self.offload_update == "host"
+            or self.updates_on_host
             or self.on_nonfinite != "off"
         )
 

@@ -155,7 +155,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
             f"{type(state).__name__}."
         )
     params32 = cast_floating(state.params, jnp.float32)
-    k, accum_dtype = cfg.gradient_accumulation_steps, DTYPES[cfg.grad_accum_dtype]
+    k, accum_dtype = cfg.accumulation_steps, DTYPES[cfg.grad_accum_dtype]
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
         lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
     )
@@ -238,7 +238,7 @@ def managed_update(tx, opt: ZeroOptState, grads, params, cfg: ZeroConfig, micro:
 
 def _optimizer_step(tx, opt: ZeroOptState, grads, master, cfg: ZeroConfig, run):
     """(new ZeroOptState, new master, `tx`'s updates) of the k-th micro-batch."""
-    k = cfg.gradient_accumulation_steps
+    k = cfg.accumulation_steps
     if present(opt.accum):
         grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, opt.accum, grads)
     if k > 1:

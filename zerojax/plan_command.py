@@ -533,6 +533,6 @@ def _zeropp_name(cfg) -> str:
 
 
 def _offload_name(cfg) -> str:
-    if cfg.offload_param == "cpu":
+    if cfg.offloads_params:
         return "optimizer+param"
-    return "optimizer" if cfg.offload_optimizer == "cpu" else "none"
+    return "optimizer" if cfg.offloads_optimizer else "none"

@@ -247,7 +247,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     """Memory and communication of one optimizer step. With k-step gradient accumulation the
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
-    k = zero.config.gradient_accumulation_steps if zero.config.manages_update else 1
+    k = zero.config.accumulation_steps if zero.config.manages_update else 1
     tree = split_call((state, batch, *extra))[0].tree  # NNX objects: their dict state
     shapes = _param_shapes(
         [
@@ -294,7 +294,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         peak = peak.on_device({names.get(c, c) for c in host}, device_args + temp)
     # the step brings offloaded state to the device: all of it when the update runs there,
     # only the parameters when it runs on the host
-    streamed = host.get(PARAMS, 0) if zero.config.offload_update == "host" else sum(host.values())
+    streamed = host.get(PARAMS, 0) if zero.config.updates_on_host else sum(host.values())
     return Report(
         stage=zero.config.stage,
         devices=zero.axis_size,

@@ -124,7 +124,7 @@ def path_str(path) -> str:
 
 def split_spec(
     shape,
-    axis: str,
+    axis: str | tuple[str, ...],
     n: int,
     cfg: ZeroConfig,
     path: str = "",
@@ -320,11 +320,11 @@ def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
     every array of the optimizer state (master weights, moments, the 'reduced' accumulation
     buffer) except scalars (step counts, loss scale: read by the host loop) and the per-device
     buffers that local accumulation adds to on every micro-batch."""
-    if cat == PARAMS and cfg.offload_param == "cpu":
+    if cat == PARAMS and cfg.offloads_params:
         return HOST
     if (
         cat == OPT_STATE
-        and cfg.offload_optimizer == "cpu"
+        and cfg.offloads_optimizer
         and len(leaf.shape) >= 1
         and not (len(path) > 1 and key_name(path[1]) == PER_DEVICE)
     ):

@@ -113,9 +113,9 @@ class ZeroStep:
             new_tree = out[0] if isinstance(out, tuple) else out
             step = getattr(new_tree, "step", None)
         cfg, opt = self.zero.config, zero_opt_state(new_tree)  # kept below: scalars, not state
-        if cfg.gradient_accumulation_steps > 1:
+        if cfg.accumulation_steps > 1:
             self._last_micro = weakref.ref(opt.micro)
-            self._next_micro = (micro_index + 1) % cfg.gradient_accumulation_steps
+            self._next_micro = (micro_index + 1) % cfg.accumulation_steps
         if cfg.scales_loss_dynamically:
             self._min_scale_flag = opt.overflow_at_min_scale
         if cfg.on_nonfinite != "off" and not self._is_micro(micro_index):
@@ -186,14 +186,14 @@ class ZeroStep:
                 "clipping): create the state (or NNX objects) with zero.init(...) or "
                 "zero.shard(...) so it carries the master weights and buffers."
             )
-        if cfg.gradient_accumulation_steps == 1:
+        if cfg.accumulation_steps == 1:
             return 0
         if self._last_micro is not None and self._last_micro() is opt.micro:
             return self._next_micro
         return int(opt.micro)  # a state from elsewhere: read its position once
 
     def _is_micro(self, micro_index: int) -> bool:
-        return micro_index < self.zero.config.gradient_accumulation_steps - 1
+        return micro_index < self.zero.config.accumulation_steps - 1
 
     def _raise_if_scale_exhausted(self):
         if self._min_scale_flag is not None and bool(self._min_scale_flag):
@@ -243,7 +243,7 @@ class ZeroStep:
     def _traced(self, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
         state = jax.lax.with_sharding_constraint(state, shardings)
-        host_update = cfg.offload_update == "host"
+        host_update = cfg.updates_on_host
         state = to_device(
             state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
         )
@@ -258,7 +258,7 @@ class ZeroStep:
         state; the objects' calls on the batch run through the per-device hook, and a managed
         update is applied as for a TrainState (`flax.nnx_managed`)."""
         cfg = self.zero.config
-        host_update = cfg.offload_update == "host"
+        host_update = cfg.updates_on_host
         state = to_device(
             jax.lax.with_sharding_constraint(state, shardings),
             shardings,
@@ -370,7 +370,7 @@ class ZeroStep:
                 f"state's own opt_state; it passed {type(opt).__name__}."
             )
         cfg, run = self.zero.config, None
-        if cfg.offload_update == "host" and not micro:
+        if cfg.updates_on_host and not micro:
             sh = shardings.opt_state
             master = sh.master if present(sh.master) else shardings.params
             run = self._host_optimizer(master, sh.inner, params, layout)
@@ -379,7 +379,7 @@ class ZeroStep:
     def _update(self, layout, shardings, new_state, old_step, grads):
         """`optim.apply_update` (local accumulation), on the device or on the host CPU."""
         cfg, run = self.zero.config, None
-        if cfg.offload_update == "host":
+        if cfg.updates_on_host:
             opt = shardings.opt_state
             master = opt.master if present(opt.master) else shardings.params
             run = self._host_optimizer(master, opt.inner, new_state.params, layout)
