@@ -149,6 +149,19 @@ def test_one_context_variable_and_no_module_state_written_while_tracing():
     assert filled == ["zerojax.xla_flags._STATUS"], f"module-level containers written: {filled}"
 
 
+def test_the_trace_scope_nests_and_restores():
+    from zerojax.trace_scope import OUTSIDE, current, scoped
+
+    with scoped(running_model=True):
+        with scoped(inside_unit=True):
+            assert current().running_model and current().inside_unit
+        assert current().running_model and not current().inside_unit
+        with pytest.raises(RuntimeError), scoped(discovery={}):
+            raise RuntimeError("a trace that fails")
+        assert current().discovery is None  # restored, the exception notwithstanding
+    assert current() is OUTSIDE
+
+
 def test_only_the_flax_adapters_import_flax():
     # how Linen and NNX calls are caught and their state split lives in zerojax/flax; the
     # engine, the collectives and the measurement know only pytrees (zerojax/models are examples)
