@@ -47,10 +47,14 @@ class CallPlan:
     dims of each unit, and per array argument whether it is split on the batch."""
 
     leaves: tuple[LeafCall, ...]
-    units: tuple[str, ...]
     layers: Mapping[str, tuple]  # unit -> the leading dims its call does not see (a stack's)
     in_place: bool  # stages 1-2: units use the step's whole weights and gather nothing
     batch_args: tuple[bool, ...]  # per array argument of the call: split on the batch
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The paths of the units taking part in the call."""
+        return tuple(self.layers)
 
     def where(self, role: str) -> list[int]:
         """Positions of the leaves with `role`."""
@@ -136,7 +140,7 @@ def plan_call(
             "arrays with the batch first, or use zero_shard(..., explicit_collectives=False)."
         )
     in_place = bool(layers) and not cfg.shards_parameters
-    return CallPlan(tuple(leaves), tuple(layers), layers, in_place, tuple(batch))
+    return CallPlan(tuple(leaves), layers, in_place, tuple(batch))
 
 
 def _layer_dims(leaves: tuple, unit: str, stored: dict) -> tuple:

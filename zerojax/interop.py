@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zerojax.call_plan import dtype_of
 from zerojax.config import ZeroError
-from zerojax.optim import DTYPES, ZeroOptState, cast_floating, present
+from zerojax.optim import ZeroOptState, cast_floating, present
 from zerojax.rules import path_str
 
 # safetensors dtype names and the numpy dtypes zerojax reads them as
@@ -127,6 +128,6 @@ def load_safetensors(
             {**state, "params": loaded} if isinstance(state, dict) else state.replace(params=loaded)
         )
     params = jax.jit(
-        lambda m: cast_floating(m, DTYPES[zero.config.precision]), out_shardings=shardings.params
+        lambda m: cast_floating(m, dtype_of(zero.config.precision)), out_shardings=shardings.params
     )(loaded)
     return state.replace(params=params, opt_state=state.opt_state._replace(master=loaded))

@@ -9,10 +9,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from zerojax.call_plan import dtype_of
 from zerojax.comm.hierarchy import reduce_gradient
 from zerojax.device_values import device_mean, from_device_0
 from zerojax.hook import local_apply_fn
-from zerojax.optim import DTYPES, capture_gradients, cast_floating
+from zerojax.optim import capture_gradients, cast_floating
 from zerojax.outputs import one_capture, split_output
 from zerojax.rules import OPT_STATE, PARAMS, category_of, split_dim
 
@@ -43,7 +44,7 @@ def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extr
                     s[0],
                     split_dim(spec, comm.shard_axis),
                     comm,
-                    DTYPES[cfg.grad_reduce_dtype],
+                    dtype_of(cfg.grad_reduce_dtype),
                 ).astype(jnp.float32)
                 / n
             ),

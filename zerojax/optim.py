@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.config import DTYPE_NAMES, ZeroConfig, ZeroError
+from zerojax.call_plan import dtype_of
+from zerojax.config import ZeroConfig, ZeroError
 from zerojax.trace_scope import current, scoped
-
-DTYPES = {option: jnp.dtype(name) for option, name in DTYPE_NAMES.items()}
 
 
 class ZeroOptState(NamedTuple):
@@ -140,7 +139,7 @@ def store_optimizer_state(inner, cfg: ZeroConfig, like=None):
     `like`, each leaf back in the dtype of `like`'s (the stored state the update started from)."""
     if like is not None:
         return jax.tree_util.tree_map(lambda x, old: x.astype(old.dtype), inner, like)
-    dtype = DTYPES[cfg.optimizer_state_dtype]
+    dtype = dtype_of(cfg.optimizer_state_dtype)
     return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _moment(x) else x, inner)
 
 
@@ -155,7 +154,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
             f"{type(state).__name__}."
         )
     params32 = cast_floating(state.params, jnp.float32)
-    k, accum_dtype = cfg.accumulation_steps, DTYPES[cfg.grad_accum_dtype]
+    k, accum_dtype = cfg.accumulation_steps, dtype_of(cfg.grad_accum_dtype)
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
         lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
     )
@@ -169,7 +168,7 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
         **initial_scaler(cfg),
     )
     return state.replace(
-        params=cast_floating(state.params, DTYPES[cfg.precision]),
+        params=cast_floating(state.params, dtype_of(cfg.precision)),
         opt_state=opt,
         tx=ZeroTx(state.tx),
     )
@@ -306,7 +305,7 @@ def settle(before, after, cfg: ZeroConfig, micro: bool):
         view = cast_floating(before.params, jnp.float32)
         master = jax.tree_util.tree_map(_follow, opt.master, view, params)
         opt = opt._replace(master=master)
-        params = cast_floating(master, DTYPES[cfg.precision])
+        params = cast_floating(master, dtype_of(cfg.precision))
     applied = jnp.asarray(False) if micro else ~opt.last_skipped
     # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
     # returned state matches the input's avals and the step does not compile twice
