@@ -15,7 +15,7 @@ slice by libtpu and read (`zero.report`): per-chip peak (arguments + temporaries
 collectives of the scheduled program (after the TPU's combiners, in the dtypes it chose) by
 kind, the bytes one chip sends per step, and of those the bytes sent while a matmul runs
 (overlapped) or with nothing beside them (exposed), and the matmul FLOPs per chip with every
-scanned layer counted (`zerojax.hlo.matmul_flops`, read from the partitioned module).
+scanned layer counted (`zerojax.inspect.hlo.matmul_flops`, read from the partitioned module).
 Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
 stage 3 with whole blocks as units and with `recompute_units=False`, MaxText (its FSDP rules,
 `remat_policy=full`), and the stage-3 shardings with `explicit_collectives=False`, where XLA's

@@ -45,7 +45,7 @@ def measure() -> dict:
         # the peak is read inside the exporting process (VmHWM): a child's ru_maxrss on Linux
         # keeps the high-water mark of the parent it was forked from
         code = (
-            "import sys; from zerojax.cli import main; rc = main(sys.argv[1:]); "
+            "import sys; from zerojax.commands.cli import main; rc = main(sys.argv[1:]); "
             "print('VmHWM', open('/proc/self/status').read().split('VmHWM:')[1].split()[0]);"
             " sys.exit(rc)"
         )

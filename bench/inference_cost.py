@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import zerojax as zj  # noqa: E402
-from zerojax.hlo import parse_collectives  # noqa: E402
+from zerojax.inspect.hlo import parse_collectives  # noqa: E402
 from zerojax.models.gpt import make_init  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 

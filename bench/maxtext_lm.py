@@ -30,9 +30,9 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 import jax  # noqa: E402
 from jax_lm import SHAPE  # noqa: E402
 
-from zerojax.hlo import matmul_flops  # noqa: E402
-from zerojax.report import compile_with_partitioned_hlo  # noqa: E402
-from zerojax.schedule import overlap_bytes, scheduled_collectives  # noqa: E402
+from zerojax.inspect.hlo import matmul_flops  # noqa: E402
+from zerojax.inspect.report import compile_with_partitioned_hlo  # noqa: E402
+from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives  # noqa: E402
 
 
 def maxtext_argv(topology: str, chips: int) -> list[str]:

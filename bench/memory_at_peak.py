@@ -9,7 +9,7 @@ master weights, Adam, scanned + remat layers, one sequence per device, N = 8):
     python bench/memory_at_peak.py                  # 125m and 7b (about 2 minutes)
     python bench/memory_at_peak.py --preset 125m --json
 
-Compiles only (abstract state), with the planning flags of `zerojax plan` (zerojax.xla_flags).
+Compiles only (abstract state), with the planning flags of `zerojax plan` (zerojax.core.xla_flags).
 """
 
 import argparse
@@ -26,7 +26,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from zerojax import xla_flags  # noqa: E402
+from zerojax.core import xla_flags  # noqa: E402
 
 xla_flags.apply_planning_flags()
 

@@ -78,7 +78,7 @@ def worker(n: int, budget: int) -> dict:
 
 def main():
     sys.path.insert(0, str(ROOT))
-    from zerojax.plan_command import parse_bytes
+    from zerojax.commands.plan import parse_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget", type=parse_bytes, default=parse_bytes("40GB"))

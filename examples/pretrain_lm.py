@@ -199,8 +199,8 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     import zerojax as zj
-    from zerojax.config_files import read_config
-    from zerojax.launch import initialize
+    from zerojax.commands.launch import initialize
+    from zerojax.core.config_files import read_config
     from zerojax.models.data import Batches, load_tokens
     from zerojax.models.gpt import make_init
     from zerojax.models.lm import LM, LM_PRESETS

@@ -10,7 +10,7 @@ import pytest
 import zerojax as zj
 from tests.common import assert_trees_close
 from tests.test_units import Transformer, init_fn, step, train_both
-from zerojax.budget import largest_fitting
+from zerojax.engine.budget import largest_fitting
 
 SEQ = 16
 DATA = [np.random.default_rng(i).integers(0, 128, (16, SEQ + 1), dtype=np.int32) for i in range(2)]

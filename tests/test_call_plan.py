@@ -1,6 +1,7 @@
-"""A model call's plan from shapes alone (`zerojax.call_plan`): for a Linen model with a scanned
-stack and an NNX model, each written here, the plan says how every leaf enters the per-device
-model, which argument is the batch and which units take part, without tracing any step."""
+"""A model call's plan from shapes alone (`zerojax.core.call_plan`): for a Linen model with a
+scanned stack and an NNX model, each written here, the plan says how every leaf enters the
+per-device model, which argument is the batch and which units take part, without tracing any
+step."""
 
 import flax.linen as nn
 import jax
@@ -13,8 +14,8 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.call_plan import OTHER, UNIT, WHOLE, ApplyHookError, plan_call
-from zerojax.rules import PARAMS
+from zerojax.core.call_plan import OTHER, UNIT, WHOLE, ApplyHookError, plan_call
+from zerojax.core.rules import PARAMS
 
 
 class Layer(nn.Module):

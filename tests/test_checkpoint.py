@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import zerojax as zj
-from zerojax.checkpoint import canonical_tree
-from zerojax.export import export, info
-from zerojax.launch import free_port
+from zerojax.commands.launch import free_port
+from zerojax.io.checkpoint import canonical_tree
+from zerojax.io.export import export, info
 
 sys.path.insert(0, os.path.dirname(__file__))
 from checkpoint_worker import ZERO, batch, init_fn, train_step  # noqa: E402
@@ -257,7 +257,7 @@ def test_export_and_info(saved, tmp_path):
     assert summary["steps"] == [2] and summary["extra"] == {"data_position": 2}
     assert summary["total_bytes"] == sum(leaf["bytes"] for leaf in summary["leaves"])
     out = subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "checkpoint", "info", str(directory)],
+        [sys.executable, "-m", "zerojax.commands.cli", "checkpoint", "info", str(directory)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import zerojax as zj
-from zerojax.checkpoint import canonical_tree
-from zerojax.launch import free_port
+from zerojax.commands.launch import free_port
+from zerojax.io.checkpoint import canonical_tree
 
 sys.path.insert(0, os.path.dirname(__file__))
 from checkpoint_worker import ZERO, batch, init_fn, train_step  # noqa: E402
@@ -96,7 +96,7 @@ def test_verify_names_each_bad_step_and_fails(good, tmp_path):
     for make in BREAKS.values():
         make(d)
     run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "checkpoint", "verify", d, *a],
+        [sys.executable, "-m", "zerojax.commands.cli", "checkpoint", "verify", d, *a],
         env=subprocess_env(JAX_PLATFORMS="cpu"),
         capture_output=True,
         text=True,

@@ -12,7 +12,7 @@ from common import subprocess_env
 def _plan(*args):
     env = subprocess_env(JAX_PLATFORMS="cpu")
     return subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "plan", *args],
+        [sys.executable, "-m", "zerojax.commands.cli", "plan", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 import zerojax as zj
-from zerojax.config_files import presets
+from zerojax.core.config_files import presets
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 

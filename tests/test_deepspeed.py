@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerojax as zj
-from zerojax import deepspeed as ds
+from zerojax.deepspeed import reader as ds
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 TABLES = {
@@ -204,7 +204,7 @@ def test_config_explain_command():
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.commands.cli",
             "config",
             "explain",
             str(CONFIGS / "zero3_offload.json"),

@@ -14,7 +14,7 @@ def test_prng_key_dtypes_name_their_implementation():
     dtype = jax.ShapeDtypeStruct((), jax.random.key(0).dtype).dtype
     impl = getattr(dtype, "_impl", None)
     assert impl is not None, (
-        "a typed PRNG key dtype no longer has `_impl`: zerojax.checkpoint._place rebuilds "
+        "a typed PRNG key dtype no longer has `_impl`: zerojax.io.checkpoint._place rebuilds "
         "restored keys with jax.random.wrap_key_data(data, impl=dtype._impl); take the "
         "implementation from the abstract target another way there."
     )
@@ -25,7 +25,8 @@ def test_prng_key_dtypes_name_their_implementation():
 def test_jax_backend_registry_is_where_zerojax_looks():
     bridge = sys.modules.get("jax._src.xla_bridge")
     assert bridge is not None and isinstance(getattr(bridge, "_backends", None), dict), (
-        "jax._src.xla_bridge._backends moved: zerojax.xla_flags.apply_defaults reads it to know "
+        "jax._src.xla_bridge._backends moved: zerojax.core.xla_flags.apply_defaults reads it "
+        "to know "
         "whether JAX's backend started before zerojax set its XLA flags; find the new registry."
     )
     jax.devices()
@@ -46,7 +47,7 @@ def test_shard_map_values_say_which_axes_they_vary_over():
     jax.jit(run).trace(np.zeros(jax.device_count(), np.float32), np.zeros(3, np.float32))
     assert seen == [(frozenset({"data"}), frozenset())], (
         "jax.typeof(x).mat.varying no longer names the manual axes a value varies over: "
-        "zerojax.device_values.varying reads it to cast a unit's whole leaves to per-device "
+        "zerojax.comm.device_values.varying reads it to cast a unit's whole leaves to per-device "
         f"values only over the axes they do not vary over yet (got {seen}); find its new name."
     )
 
@@ -94,7 +95,8 @@ def test_a_trace_context_option_makes_jit_trace_again():
         jax.eval_shape(inner, np.ones(3, np.float32))
     assert len(traces) == 2, (
         "jax._src.config.hlo_source_file_canonicalization_regex no longer keys jit's trace "
-        "cache: zerojax.hook.fresh_traces sets it so that a model's own jax.jit (Flax's nn.jit) "
+        "cache: zerojax.engine.hook.fresh_traces sets it so that a model's own jax.jit "
+        "(Flax's nn.jit) "
         "traces again where zerojax finds and gathers units; pick another trace-context option "
         "that changes nothing a trace computes."
     )

@@ -119,7 +119,7 @@ def test_two_launched_processes_match_one(tmp_path):
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.commands.cli",
             "launch",
             "-n",
             "2",
@@ -156,7 +156,7 @@ def test_launch_stops_everything_when_one_process_fails():
         [
             sys.executable,
             "-m",
-            "zerojax.cli",
+            "zerojax.commands.cli",
             "launch",
             "-n",
             "2",

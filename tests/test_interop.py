@@ -14,7 +14,7 @@ from flax import serialization
 from flax.training import train_state
 
 import zerojax as zj
-import zerojax.interop as interop
+import zerojax.io.interop as interop
 
 TX = lambda: optax.adamw(1e-3, eps=1e-5)
 DATA = batches(4)
@@ -127,7 +127,7 @@ def test_load_errors_name_the_tensor(hf_file, tmp_path):
 
 
 def test_exported_weights_load_into_a_plain_flax_model_on_one_device(tmp_path):
-    from zerojax.export import export
+    from zerojax.io.export import export
 
     zero = zj.zero_shard(stage=3, precision="bf16")
     state = zero.shard(initial_state(TX()))

@@ -1,5 +1,5 @@
 """Models that write state (BatchNorm statistics, sown activations) on the explicit path, with
-default options. The documented semantics (`zerojax.device_values`): each device normalises
+default options. The documented semantics (`zerojax.comm.device_values`): each device normalises
 with its own batch, as under DDP; the running statistics come back as the mean of the
 devices' updates; a sown per-example value comes back whole. The reference below computes
 exactly that on one device, with `jax.vmap` over the 8 device slices."""

@@ -12,7 +12,7 @@ import pytest
 from common import assert_trees_close, batches, subprocess_env, train_zero, zeropp_setup
 
 import zerojax as zj
-from zerojax.launch import free_port
+from zerojax.commands.launch import free_port
 
 STEPS = 4
 

@@ -199,7 +199,7 @@ def test_tuple_state_checkpoint_roundtrip(tmp_path):
         restored, _ = mgr.restore(jax.eval_shape(plain_init, jax.random.key(0)))
     for got, want in zip(arrays(restored), arrays(state), strict=True):
         np.testing.assert_array_equal(got, want)
-    from zerojax.export import info
+    from zerojax.io.export import info
 
     assert any(leaf["path"].startswith("params/") for leaf in info(tmp_path / "ckpt")["leaves"])
 

@@ -18,7 +18,7 @@ from common import subprocess_env
 from flax.training import train_state
 
 import zerojax as zj
-from zerojax.peak import _element
+from zerojax.inspect.peak import _element
 
 WIDTH = 256
 

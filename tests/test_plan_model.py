@@ -18,7 +18,7 @@ N = 8
 
 def _plan(*args):
     return subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "plan", *args],
+        [sys.executable, "-m", "zerojax.commands.cli", "plan", *args],
         env=subprocess_env(JAX_PLATFORMS="cpu"),
         cwd=HERE,  # the user's directory: plan_user_model.py is importable from it
         capture_output=True,

@@ -14,11 +14,11 @@ import pytest
 from common import batches, initial_state, subprocess_env, train_step, train_zero
 
 import zerojax as zj
-from zerojax.launch import free_port
+from zerojax.commands.launch import free_port
 
 PEER = """
 import os, sys, time
-from zerojax.launch import initialize
+from zerojax.commands.launch import initialize
 initialize()
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P

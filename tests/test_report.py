@@ -9,7 +9,7 @@ import pytest
 from common import batches, make_init, train_step
 
 import zerojax as zj
-from zerojax.hlo import matmul_flops, parse_collectives
+from zerojax.inspect.hlo import matmul_flops, parse_collectives
 from zerojax.models import GPT, GPTConfig
 
 # Model state dominates activations here (seq 8, one sequence per device), as in the regime

@@ -9,7 +9,7 @@ from common import assert_trees_close, batches, make_init, slow, train_single_de
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.rules import split_spec
+from zerojax.core.rules import split_spec
 
 D = "data"
 

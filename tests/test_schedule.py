@@ -1,4 +1,4 @@
-"""Overlapped and exposed collectives of a scheduled module (`zerojax.schedule`), on HLO written
+"""Overlapped and exposed collectives of a scheduled module (`zerojax.inspect.schedule`), on HLO written
 out by hand in the two forms compilers print: XLA's async pairs (`all-gather-start` /
 `all-gather-done`, as GPU programs have them) and the TPU compiler's `async-collective-start.N`
 / `-done.N` fusions with its fused 'all-reduce-scatter'. Sizes: f32[8,8] = 256 bytes, 8 devices,
@@ -6,7 +6,7 @@ so an all-gather or reduce-scatter sends 7/8 of its buffer and an all-reduce 2 x
 
 import pytest
 
-from zerojax.schedule import overlap_bytes, scheduled_collectives
+from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives
 
 GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}"
 XLA = f"""HloModule m, is_scheduled=true

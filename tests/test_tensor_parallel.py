@@ -18,7 +18,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.hlo import replica_groups
+from zerojax.inspect.hlo import replica_groups
 
 VOCAB, D, FF, SEQ = 64, 32, 128, 8
 RULES = (("vocab", "model"), ("mlp", "model"), ("embed", None))

@@ -80,7 +80,16 @@ def test_report_for_a_tpu_slice_follows_the_formulas(stage, formula):
 @needs_libtpu
 def test_plan_for_a_tpu_topology_prints_every_stage():
     run = lambda *args: subprocess.run(
-        [sys.executable, "-m", "zerojax.cli", "plan", "--preset", "tiny", "--no-offload", *args],
+        [
+            sys.executable,
+            "-m",
+            "zerojax.commands.cli",
+            "plan",
+            "--preset",
+            "tiny",
+            "--no-offload",
+            *args,
+        ],
         env=subprocess_env(JAX_PLATFORMS="cpu"),
         capture_output=True,
         text=True,

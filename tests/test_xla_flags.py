@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 CODE = (
-    "import os, zerojax, zerojax.xla_flags as f; "
+    "import os, zerojax, zerojax.core.xla_flags as f; "
     "print(os.environ.get('XLA_FLAGS', '')); print(f.effective())"
 )
 

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
 from zerojax.comm.quant import dequantize, quantize, quantized_all_gather, quantized_reduce_scatter
-from zerojax.hlo import parse_collectives
+from zerojax.inspect.hlo import parse_collectives
 from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS, param_count
 

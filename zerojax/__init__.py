@@ -1,15 +1,15 @@
 """zerojax: DeepSpeed's ZeRO stages as sharding rules over a JAX device mesh."""
 
-from zerojax import xla_flags as _xla_flags
+from zerojax.core import xla_flags as _xla_flags
 
 _xla_flags.apply_defaults()  # before anything starts JAX's backend
 
-from zerojax.config import ZeroConfig, ZeroError  # noqa: E402
-from zerojax.ds_optimizer import optimizer_from_config  # noqa: E402
-from zerojax.engine import ZeroShard, zero_shard  # noqa: E402
-from zerojax.errors import ZeroWarning  # noqa: E402
-from zerojax.mesh import make_mesh, tpu_devices  # noqa: E402
-from zerojax.step import ZeroStep  # noqa: E402
+from zerojax.core.config import ZeroConfig, ZeroError  # noqa: E402
+from zerojax.core.errors import ZeroWarning  # noqa: E402
+from zerojax.core.mesh import make_mesh, tpu_devices  # noqa: E402
+from zerojax.deepspeed.optimizer import optimizer_from_config  # noqa: E402
+from zerojax.engine.step import ZeroStep  # noqa: E402
+from zerojax.shard import ZeroShard, zero_shard  # noqa: E402
 
 __all__ = [
     "CheckpointManager",
@@ -27,7 +27,7 @@ __all__ = [
 
 def __getattr__(name):
     if name == "CheckpointManager":  # orbax loads only when checkpoints are used
-        from zerojax.checkpoint import CheckpointManager
+        from zerojax.io.checkpoint import CheckpointManager
 
         return CheckpointManager
     raise AttributeError(f"module 'zerojax' has no attribute {name!r}")

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.hierarchy import Comm, gather_weight, manual_over_data, reduce_gradient
-from zerojax.rules import split_dim
+from zerojax.core.rules import split_dim
 
 
 def to_compute(x, compute_dtype):

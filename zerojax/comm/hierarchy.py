@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.quant import quantized_all_gather, quantized_reduce_scatter
-from zerojax.config import ZeroConfig, ZeroError
+from zerojax.core.config import ZeroConfig, ZeroError
 
 NODE, LOCAL = "node", "local"
 

@@ -18,8 +18,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding
 
-from zerojax.config import ZeroConfig, ZeroError
-from zerojax.rules import PARAMS, TensorSpec, category_of, path_str, spec_entry, spec_names
+from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.rules import PARAMS, TensorSpec, category_of, path_str, spec_entry, spec_names
 
 
 def _is_box(x) -> bool:

@@ -33,7 +33,7 @@ import numpy as np
 from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
-from zerojax.call_plan import compute_dtype, dtype_of
+from zerojax.comm.device_values import varying
 from zerojax.comm.flat import pack_full, pack_shards, unpack_full, unpack_shards
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
@@ -44,10 +44,10 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
-from zerojax.config import ZeroConfig
-from zerojax.device_values import varying
-from zerojax.errors import warn
-from zerojax.trace_scope import current, scoped
+from zerojax.core.call_plan import compute_dtype, dtype_of
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import warn
+from zerojax.core.trace_scope import current, scoped
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
 

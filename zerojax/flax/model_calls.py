@@ -1,5 +1,5 @@
 """Where a step's model calls are caught and sent through the per-device hook
-(`zerojax.hook.hooked_apply_fn`): a Linen model applied anywhere in the step (Flax's method
+(`zerojax.engine.hook.hooked_apply_fn`): a Linen model applied anywhere in the step (Flax's method
 interceptor), and the calls on the batch of the NNX objects the step receives (routed calls,
 `zerojax.flax.nnx_calls`). Calls that cannot run per device run as they are.
 """
@@ -14,12 +14,12 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
-from zerojax.call_plan import is_array, with_values
+from zerojax.core.call_plan import is_array, with_values
+from zerojax.core.rules import PARAMS
+from zerojax.engine.hook import model_running, running_model
+from zerojax.engine.state import objects_in, objects_out
 from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx_calls import routed, split_params, with_params
-from zerojax.hook import model_running, running_model
-from zerojax.rules import PARAMS
-from zerojax.state import objects_in, objects_out
 
 
 @contextlib.contextmanager
@@ -28,7 +28,7 @@ def linen_calls_hooked(hook, batch_rows: set):
     in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
     `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
     dimension), not initializing, its RNG streams plain keys. Collections it mutates are
-    written back combined (`zerojax.device_values`)."""
+    written back combined (`zerojax.comm.device_values`)."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -59,7 +59,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
     step; `prefixes`: the keys their parameters sit under in the state) runs through
     `hook(apply, stateful)`, the per-device `hooked_apply_fn`. A call that changes the module's
     other NNX state (RNG counts, batch statistics) is given that state and writes back what
-    the devices' calls wrote, combined (`zerojax.device_values`); so is a call given NNX
+    the devices' calls wrote, combined (`zerojax.comm.device_values`); so is a call given NNX
     objects as arguments (an `nnx.Rngs` passed at call time): each device draws its own keys
     from them and they advance as under `nnx.jit`."""
 

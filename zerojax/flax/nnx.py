@@ -7,7 +7,7 @@ place like any train state, and merges such a state back into objects inside the
 as `nnx.jit` does; `ZeroStep` runs `fn(model, optimizer, batch, *extra)` that way and updates
 the caller's objects in place. Sharding metadata on NNX variables
 (`nnx.with_partitioning`) becomes the parameters' tensor-parallel layout, as Linen's boxes do.
-`zerojax.state` decides which states are NNX objects.
+`zerojax.engine.state` decides which states are NNX objects.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from zerojax.core.rules import path_str
 from zerojax.flax.annotations import tensor_spec
-from zerojax.rules import path_str
 
 FIELDS = ("params", "opt_state", "other")
 NNX_UNMANAGED = (
@@ -28,7 +28,7 @@ NNX_UNMANAGED = (
 
 def is_nnx_object(x) -> bool:
     """Whether `x` is an NNX object (a module, an optimizer, a graph of them): what
-    `zerojax.state`, the one place that asks, tells apart from a pytree state."""
+    `zerojax.engine.state`, the one place that asks, tells apart from a pytree state."""
     return isinstance(x, nnx.Pytree)
 
 

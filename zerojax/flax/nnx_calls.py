@@ -5,7 +5,7 @@ the step's freshly merged copy of the user's objects gets a subclass of its own 
 once per (class, path), whose `__call__` and other public methods route the call.
 `nnx.split` and `nnx.merge` carry a node's type, so the copies that `nnx.value_and_grad`,
 `nnx.scan` or the per-device model make keep it. A routed `__call__` of an object the user
-passed (a root) goes to the handler `zerojax.hook` installs (the per-device hook); any other
+passed (a root) goes to the handler `zerojax.engine.hook` installs (the per-device hook); any other
 module call is recorded while units are found, and run as a gathered stage-3 unit when it is
 one (`flax.units.dispatch`).
 """
@@ -19,9 +19,9 @@ import inspect
 import jax
 from flax import nnx
 
+from zerojax.core.trace_scope import current, scoped
 from zerojax.flax.gather import run_unit
 from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
-from zerojax.trace_scope import current, scoped
 
 
 @functools.cache  # one routed subclass per (class, path, root?): a model traced again reuses it

@@ -19,9 +19,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from zerojax.config import ZeroConfig, ZeroError
+from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.engine.optim import (
+    ZeroTx,
+    cast_floating,
+    managed_update,
+    prepare_state,
+    present,
+    settle,
+)
 from zerojax.flax.nnx_calls import with_params
-from zerojax.optim import ZeroTx, cast_floating, managed_update, prepare_state, present, settle
 
 BUFFERS = "zerojax"  # the optimizer attribute holding the ZeroBuffers variable
 

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 from flax.core.scope import Scope
 
-from zerojax.errors import warn
+from zerojax.core.errors import warn
+from zerojax.core.trace_scope import current, scoped
 from zerojax.flax.gather import GatherContext, current_context, gather_context, gather_unit
-from zerojax.trace_scope import current, scoped
 
 UNIT_MARK = "_zerojax_unit"
 

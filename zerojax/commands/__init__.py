@@ -1,0 +1,1 @@
+"""The `zerojax` command: plan, config explain, export, launch."""

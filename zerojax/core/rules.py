@@ -1,0 +1,389 @@
+"""Sharding rules: (leaf path, shape, stage, options) -> PartitionSpec.
+
+One rule serves every leaf of a train state, optimizer state included: a leaf is split along
+its largest dimension that divides the axis size, unless a user rule names the dimension or it
+is too small to be worth a collective. Optimizer-state leaves are matched to the parameter of
+the same path suffix and shape (never by optimizer type), so Adam's moments follow their
+parameter while Adafactor's factored moments get the default rule for their own shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.core.config import ZeroConfig, ZeroError
+
+PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
+PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
+DEVICE, HOST = "device", "pinned_host"  # JAX memory kinds a leaf may rest in
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """Where one state leaf lives and why."""
+
+    path: str  # e.g. 'params/Dense_0/kernel'
+    category: str  # PARAMS, OPT_STATE or OTHER
+    shape: tuple
+    dtype: str
+    spec: P
+    reason: str  # 'sharded dim 1', 'replicated: below persistence threshold', ...
+    memory: str = DEVICE  # memory kind at rest: DEVICE, or HOST when offloaded
+    itemsize: int = 4  # bytes per element (a typed PRNG key: its key data's)
+    # parameters only: the spec split over the ZeRO axis (storage at stage 3; the gradient
+    # from stage 2, the optimizer state from stage 1), the dim it splits, where the reduced
+    # gradient lives, and the model's tensor-parallel layout (None: it declares none)
+    sharded_spec: P | None = None
+    split_dim: int | None = None
+    grad_spec: P | None = None
+    tensor: TensorSpec | None = None
+    unit: str | None = None  # the stage-3 unit gathering it (`zero.plan(..., step=, batch=)`)
+    meant: bool = False  # whether this stage splits the leaf at rest (`stage_splits`)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """Every leaf's `LeafPlan` for one state structure, computed once (`ZeroShard.layout`) and
+    read by everything that needs a spec: storage, the hook, the gathers, the step's gradients,
+    offload, report, describe, plan and checkpoints."""
+
+    treedef: object
+    plans: tuple[LeafPlan, ...]
+
+    def shardings(self, mesh):
+        """The storage NamedShardings (spec and memory kind) as a pytree of the state's
+        structure."""
+        return jax.tree_util.tree_unflatten(
+            self.treedef,
+            [
+                NamedSharding(mesh, p.spec, memory_kind=None if p.memory == DEVICE else p.memory)
+                for p in self.plans
+            ],
+        )
+
+    @functools.cached_property
+    def params(self) -> dict[str, LeafPlan]:
+        """{parameter path inside `params` ('Dense_0/kernel'): its plan}."""
+        return {
+            p.path.split("/", 1)[1] if "/" in p.path else "": p
+            for p in self.plans
+            if p.category == PARAMS
+        }
+
+    def param_plan(self, path, leaf) -> LeafPlan | None:
+        """The plan of the state parameter at `path` (keys below `params`) if `leaf` has its
+        shape; None for a leaf the state does not hold (a step may pass anything)."""
+        plan = self.params.get(path_str(path))
+        return plan if plan is not None and plan.shape == tuple(np.shape(leaf)) else None
+
+    def param_specs(self, params, which: str = "spec"):
+        """A pytree like `params` of each parameter's `which` spec ('spec': storage,
+        'grad_spec': reduced gradient, 'sharded_spec': split over the ZeRO axis); P() for
+        leaves the state does not hold."""
+
+        def spec(path, leaf):
+            plan = self.param_plan(path, leaf)
+            return P() if plan is None else getattr(plan, which)
+
+        return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def with_units(plans, units) -> list[LeafPlan]:
+    """`plans` with each parameter's `unit`: the outermost of `units` (module paths below
+    `params`) its path lies under."""
+
+    def unit_of(plan):
+        inside = [u for u in units if plan.path.startswith(f"{PARAMS}/{u}/")]
+        return min(inside, key=len) if plan.category == PARAMS and inside else None
+
+    return [dataclasses.replace(p, unit=unit_of(p)) for p in plans]
+
+
+def key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path) -> str:
+    return "/".join(key_name(k) for k in path)
+
+
+def split_spec(
+    shape,
+    axis: str | tuple[str, ...],
+    n: int,
+    cfg: ZeroConfig,
+    path: str = "",
+    user_rules: bool = True,
+    tensor: TensorSpec | None = None,
+) -> tuple[P, str]:
+    """Spec for a leaf that this stage shards, and the reason for the choice. `tensor`, the
+    leaf's tensor-parallel axes (if the model declares any), stays in the spec; the ZeRO axis
+    goes on a dimension they leave free, else joins one of theirs when the split divides."""
+    ndim = len(shape)
+    tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
+    # the sizes each tensor-parallel shard has
+    local = [size // div for size, div in zip(shape, tensor.divisors, strict=True)]
+    if user_rules:
+        for pattern, dim in cfg.rules:
+            if re.search(pattern, path):
+                if dim is None:
+                    return tensor.spec(), f"replicated: rule {pattern!r}"
+                if not -ndim <= dim < ndim:
+                    raise ZeroError(
+                        f"rule {pattern!r} splits dim {dim} of {path!r}, which "
+                        f"has shape {tuple(shape)}."
+                    )
+                dim %= ndim
+                if local[dim] % n:
+                    raise ZeroError(
+                        f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
+                        f"{tuple(shape)}), which does not divide by {n} devices; "
+                        "name another dim or None to replicate it."
+                    )
+                return tensor.spec(dim, axis), f"sharded dim {dim} (rule {pattern!r})"
+    if n == 1:
+        return tensor.spec(), "replicated: one device"
+    if math.prod(local) < cfg.persistence_threshold or ndim == 0:
+        return tensor.spec(), "replicated: below persistence threshold"
+    divisible = [d for d in range(ndim) if local[d] % n == 0]
+    if not divisible:
+        return tensor.spec(), f"replicated: no dim divides by {n}"
+    dim = max(divisible, key=lambda d: (tensor.axes[d] is None, local[d], -d))
+    return tensor.spec(dim, axis), f"sharded dim {dim}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A leaf's tensor-parallel layout as the model declares it: per dimension the mesh axes
+    (None, a name or a tuple of names) and how many ways they split it."""
+
+    axes: tuple
+    divisors: tuple
+
+    def spec(self, dim: int | None = None, axis=None) -> P:
+        """This layout as a PartitionSpec, with the ZeRO `axis` added on `dim` (outermost)."""
+        entries = list(self.axes)
+        if dim is not None:
+            entries[dim] = spec_entry((*spec_names(axis), *spec_names(entries[dim])))
+        return P(*entries) if any(e is not None for e in entries) else P()
+
+
+def category_of(path) -> str:
+    """PARAMS, OPT_STATE or OTHER from a leaf's path: the `params` / `opt_state` field or key,
+    or position 0 / 1 of a tuple state `(params, opt_state, *others)`."""
+    if not path:
+        return OTHER
+    if isinstance(path[0], jax.tree_util.SequenceKey):
+        return {0: PARAMS, 1: OPT_STATE}.get(path[0].idx, OTHER)
+    head = key_name(path[0])
+    return head if head in (PARAMS, OPT_STATE) else OTHER
+
+
+def stage_splits(cfg: ZeroConfig, category: str, floating=False, mirrors=False) -> bool:
+    """Whether `cfg`'s stage splits a leaf of `category` at rest: the optimizer state from
+    stage 1, the parameters at stage 3 (gradients are not stored), and a floating leaf of
+    the state's other fields as what it is like: at stage 3 every one (a frozen base model in
+    its own field), from stage 1 one that `mirrors` a parameter (its path ends with the
+    parameter's and it has its shape: an EMA of the parameters, optimizer-like state)."""
+    if category == OPT_STATE:
+        return cfg.shards_optimizer_state
+    if category == PARAMS:
+        return cfg.shards_parameters
+    return floating and (cfg.shards_parameters or (mirrors and cfg.shards_optimizer_state))
+
+
+def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None) -> StateLayout:
+    """The `StateLayout` of `state` (a pytree of arrays or ShapeDtypeStructs) holding its
+    parameters under a `params` field or key, or a tuple `(params, opt_state, ...)`. `tensor`
+    maps parameter paths to their `TensorSpec`. Use `ZeroShard.layout`, which caches it."""
+    tensor = tensor or {}
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    params = [x for p, x in leaves if category_of(p) == PARAMS]
+    if not params:
+        named = PARAMS in state if isinstance(state, dict) else hasattr(state, PARAMS)
+        raise ZeroError(
+            "the state's `params` holds no arrays: there is nothing to train or shard (did the "
+            "model's init return empty variables?)."
+            if named
+            else f"the state ({type(state).__name__}) has no `params`: zerojax needs the "
+            "parameters under a field or key named `params` (a flax TrainState, or a "
+            "dict/dataclass with `params` and `opt_state`), or a tuple `(params, opt_state)`."
+        )
+    param_specs = {}
+    plans = []
+    for path, leaf in leaves:
+        cat = category_of(path)
+        sharded = dim = grad = layout = None  # parameters only
+        if cat == PARAMS:
+            sub = path_str(path[1:])
+            layout = tensor.get(sub)
+            sharded, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout)
+            param_specs[sub] = (tuple(leaf.shape), sharded, reason)
+            whole = layout.spec() if layout else P()  # over the ZeRO axis
+            spec = sharded if cfg.shards_parameters else whole
+            if not cfg.shards_parameters:
+                reason = f"replicated: stage {cfg.stage} keeps parameters whole"
+            if layout and any(layout.axes):
+                reason += f" (tensor axes {layout.spec()})"
+            dim = split_dim(sharded, cfg.axis)
+            grad = sharded if cfg.shards_optimizer_state else whole  # reduce-scattered
+        elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
+            spec, reason = P(cfg.axis), "per-device buffer"
+        elif cat == OPT_STATE:
+            spec, reason = _follow_param(
+                path_str(path[1:]),
+                leaf.shape,
+                param_specs,
+                cfg,
+                axis_size,
+                tensor_only=not cfg.shards_optimizer_state,
+            )
+        else:
+            spec, reason = _other_spec(path_str(path), leaf, param_specs, cfg, axis_size)
+        meant = bool(leaf.shape) and stage_splits(
+            cfg, cat, _floating(leaf), _mirrored(path_str(path), leaf.shape, param_specs)
+        )
+        plans.append(
+            LeafPlan(
+                path_str(path),
+                cat,
+                tuple(leaf.shape),
+                str(leaf.dtype),
+                spec,
+                reason,
+                _memory_kind(cat, path, leaf, cfg),
+                leaf.dtype.itemsize,
+                sharded_spec=sharded,
+                split_dim=dim,
+                grad_spec=grad,
+                tensor=layout,
+                meant=meant,
+            )
+        )
+    return StateLayout(treedef, tuple(plans))
+
+
+def _floating(leaf) -> bool:
+    return bool(jax.dtypes.issubdtype(leaf.dtype, np.floating))  # typed PRNG keys: False
+
+
+def _mirrored(path: str, shape, param_specs: dict) -> str | None:
+    """The path of the parameter a leaf at `path` mirrors (its path ends with the parameter's,
+    its shape is the parameter's), the longest such; None when it mirrors none. An optimizer
+    leaf that mirrors a parameter follows it (Adam's moments); so does an EMA."""
+    for ppath in sorted(param_specs, key=len, reverse=True):
+        if param_specs[ppath][0] == tuple(shape) and (path == ppath or path.endswith("/" + ppath)):
+            return ppath
+    return None
+
+
+def _other_spec(path: str, leaf, param_specs: dict, cfg: ZeroConfig, n: int):
+    """A leaf of the state's other fields: split as `stage_splits` says (like the parameter
+    it mirrors, else by the default rule and the user's rules on its path), else whole."""
+    mirrored = _mirrored(path, leaf.shape, param_specs)
+    if not (leaf.shape and stage_splits(cfg, OTHER, _floating(leaf), mirrored is not None)):
+        why = "not floating" if not _floating(leaf) else f"stage {cfg.stage} keeps it whole"
+        return P(), f"replicated: other state, {why}"
+    for pattern, dim in cfg.rules:  # the user's rules first, on the leaf's own path
+        if dim is None and re.search(pattern, path):
+            return P(), f"replicated: rule {pattern!r}"
+    if mirrored is not None:
+        return param_specs[mirrored][1], f"{param_specs[mirrored][2]} (like params/{mirrored})"
+    return split_spec(leaf.shape, cfg.axis, n, cfg, path)
+
+
+def split_dim(spec: P, axis) -> int | None:
+    """The dimension `spec` splits over `axis`, or None when it keeps the leaf whole."""
+    for dim, name in enumerate(spec):
+        if name == axis or (isinstance(name, tuple) and axis in name):
+            return dim
+    return None
+
+
+def _memory_kind(cat: str, path, leaf, cfg: ZeroConfig) -> str:
+    """HOST for offloaded leaves: every parameter with offload_param; with offload_optimizer
+    every array of the optimizer state (master weights, moments, the 'reduced' accumulation
+    buffer) except scalars (step counts, loss scale: read by the host loop) and the per-device
+    buffers that local accumulation adds to on every micro-batch."""
+    if cat == PARAMS and cfg.offloads_params:
+        return HOST
+    if (
+        cat == OPT_STATE
+        and cfg.offloads_optimizer
+        and len(leaf.shape) >= 1
+        and not (len(path) > 1 and key_name(path[1]) == PER_DEVICE)
+    ):
+        return HOST
+    return DEVICE
+
+
+def _follow_param(
+    path: str, shape, param_specs: dict, cfg: ZeroConfig, n: int, tensor_only: bool = False
+):
+    """An optimizer leaf takes the spec of the parameter whose path ends its own and whose shape
+    is its own (`tensor_only`, stage 0: only its tensor-parallel axes); any other leaf (factored
+    moments, counts) gets the default rule."""
+    ppath = _mirrored(path, shape, param_specs)
+    if ppath is not None:
+        _, spec, reason = param_specs[ppath]
+        if tensor_only:
+            kept = [_without(e, cfg.axis) for e in spec]
+            return P(*kept) if any(kept) else P(), "replicated: stage 0"
+        return spec, reason
+    if tensor_only:
+        return P(), "replicated: stage 0"
+    return split_spec(shape, cfg.axis, n, cfg, path, user_rules=False)
+
+
+def _without(entry, axis):
+    """A spec entry with the ZeRO axis (or axes) taken out."""
+    return spec_entry(tuple(a for a in spec_names(entry) if a not in spec_names(axis)))
+
+
+def spec_names(entry) -> tuple:
+    """A spec entry (None, an axis name or a tuple of them) as a tuple of names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(names: tuple):
+    """The spec entry for `names`: None, one name, or the tuple."""
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def check_placed(state, shardings):
+    """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
+    for (path, leaf), want in zip(
+        jax.tree_util.tree_flatten_with_path(state)[0],
+        jax.tree_util.tree_leaves(shardings),
+        strict=True,
+    ):
+        have = getattr(leaf, "sharding", None)
+        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
+            mesh = getattr(have, "mesh", None)
+            if isinstance(mesh, jax.sharding.Mesh) and mesh != want.mesh:
+                how = (
+                    f"it lives on a mesh {dict(mesh.shape)}, this zero_shard's is "
+                    f"{dict(want.mesh.shape)}: a state from another zero_shard?"
+                )
+            else:
+                how = f"it has {have}, expected {want.spec} on the mesh"
+            raise ZeroError(
+                f"state leaf {path_str(path)} is not placed as this zero_shard expects ({how}): "
+                "create the state with this zero's zero.init(...), or move it here with "
+                "zero.shard(state)."
+            )

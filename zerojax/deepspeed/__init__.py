@@ -1,0 +1,1 @@
+"""DeepSpeed's JSON read into zerojax's options, and its optimizer and scheduler blocks as optax."""

@@ -1,0 +1,99 @@
+"""The checks of a user's call, made before anything is traced: a step called on what is not
+a state placed by its zero, with arguments its function cannot take, or inside another
+transformation; `zero.init` given a state or arguments its function does not take. Each fails
+with a ZeroError that says what to write instead (docs/errors.md)."""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+
+from zerojax.core.errors import ZeroError
+from zerojax.core.rules import PARAMS, category_of
+
+
+def check_call(tree, batch, extra) -> None:
+    """A step called inside another jax transformation, on something that is not a train
+    state, or on a state zero did not place (made with TrainState.create, abstract, donated
+    to an earlier call) fails here with what to do, not deep inside jax or with a crash."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((tree, batch, extra))):
+        raise ZeroError(
+            "this zerojax step was called inside another JAX transformation (jax.jit, vmap, "
+            "grad, scan...): it is jitted already, with the state's shardings and donation. "
+            "Call it directly, from Python; to inspect it use step.trace(...) / step.lower(...)."
+        )
+    if not any(category_of(path) == PARAMS for path, _ in leaves):
+        keys = list(tree) if isinstance(tree, dict) else []
+        raise ZeroError(
+            f"the step's first argument is a {type(tree).__name__}"
+            + (f" with keys {keys}" if keys else "")
+            + " and holds no `params`: a zerojax step is called step(state, batch, *extra) "
+            "with the train state zero.init / zero.shard returned first (NNX: step(model, "
+            "optimizer, ..., batch))."
+        )
+    for path, leaf in leaves:
+        where = f"state leaf {jax.tree_util.keystr(path)}"
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ZeroError(
+                f"{where} is abstract (a ShapeDtypeStruct, e.g. from zero.eval_shape): there "
+                "are no values to train. Allocate the state with zero.init(init_fn, key); to "
+                "compile or size the step without allocating, use step.lower(state, batch) "
+                "or zero.report(step, state, batch)."
+            )
+        if not isinstance(leaf, jax.Array):
+            raise ZeroError(
+                f"{where} is a {type(leaf).__name__}, not an array placed by this zero_shard "
+                "(a state made with TrainState.create(...) directly?): create it with "
+                "zero.init(init_fn, key), or place it with zero.shard(state)."
+            )
+        if leaf.is_deleted():
+            raise ZeroError(
+                f"{where} was donated to an earlier call of this step, which reused its "
+                "memory for the state it returned (donate=True). Pass the state each call "
+                "returns: `state, metrics = step(state, batch)`; to keep old states usable "
+                "set donate=False (more memory)."
+            )
+
+
+def check_arity(fn, count: int, kinds: str) -> None:
+    """`fn` must take the `count` arguments of this call (`kinds` describes them), else a
+    ZeroError naming the two calling conventions rather than a TypeError from inside jit."""
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except ValueError:  # a builtin or C function: no signature to read
+        return
+    except TypeError as e:
+        name = getattr(fn, "__name__", "the step")
+        raise ZeroError(
+            f"{name}{inspect.signature(fn)} cannot take this call's {count} arguments "
+            f"({kinds}): {e}. A TrainState (or pytree) step is called step(state, batch, "
+            "*extra); an NNX step step(model, optimizer, ..., batch, *extra), with the "
+            "objects zero.init / zero.shard returned, and takes them as its arguments."
+        ) from None
+
+
+def check_init_fn(init_fn, args, kwargs) -> None:
+    """`zero.init` takes the function that makes the state and its arguments: a state given
+    instead, or arguments the function does not take, fail with what to write."""
+    if not callable(init_fn):
+        raise ZeroError(
+            f"zero.init takes the function that creates the state (and its arguments, e.g. "
+            f"a PRNG key), not a {type(init_fn).__name__}: to place an existing state use "
+            "zero.shard(state); to create one use zero.init(lambda key: TrainState.create("
+            "...), jax.random.key(0))."
+        )
+    try:
+        signature = inspect.signature(init_fn)
+    except ValueError:  # a builtin: no signature to read
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        name = getattr(init_fn, "__name__", "init_fn")
+        raise ZeroError(
+            f"zero.init calls {name}{signature} with the arguments given after it, and "
+            f"{len(args)} positional and {len(kwargs)} keyword arguments do not fit: {e}. "
+            "E.g. zero.init(init_fn, jax.random.key(0))."
+        ) from None

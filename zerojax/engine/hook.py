@@ -1,0 +1,346 @@
+"""The `apply_fn` hook: run the model per device with explicit ZeRO collectives.
+
+Inside a zerojax step, `state.apply_fn(variables, *args)` runs the unchanged model once per
+device on that device's slice of the batch (`shard_map`), with full parameter copies from
+`comm.device_copies` in the compute dtype. Gradients therefore leave the model unreduced, one
+block per device, and `device_copies`' backward reduces them: all-reduce for stages 0-1,
+reduce-scatter for 2-3. Everything outside the model (loss, optimizer update) stays in XLA's
+global view, so any optax transformation, global-norm clipping included, sees exactly the
+single-device numbers. With fp16, the cotangent entering the model is multiplied by the loss
+scale and the parameter gradients are divided by it (in fp32) as they leave. "Per device"
+means per position on the data axes: a mesh's other axes (the model's tensor parallelism)
+stay XLA's. Each device draws its own RNG stream and the state a call writes comes back as
+one value (`zerojax.comm.device_values`). `zerojax.flax.model_calls` sends a step's model
+calls here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+
+import jax
+import numpy as np
+from jax._src import config as jax_config  # the trace-context option, see fresh_traces
+from jax.sharding import PartitionSpec as P
+
+from zerojax.comm.device_values import combine_state, fold_keys
+from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
+from zerojax.comm.hierarchy import Comm, manual_over_data
+from zerojax.comm.offload import activation_policy
+from zerojax.core.call_plan import (
+    OTHER,
+    UNIT,
+    WHOLE,
+    ApplyHookError,
+    CallPlan,
+    compute_dtype,
+    dtype_of,
+    is_array,
+    plan_call,
+    with_values,
+)
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import warn
+from zerojax.core.rules import PARAMS, StateLayout, key_name
+from zerojax.core.trace_scope import current, scoped
+from zerojax.flax.gather import LAYER, GatherContext
+from zerojax.flax.units import discovering, running_units, select_units
+
+
+def running_model() -> bool:
+    """Whether the per-device model is being traced (its own module calls are not hooked)."""
+    return current().running_model
+
+
+@contextlib.contextmanager
+def model_running():
+    """Inside, `running_model()` is true."""
+    with scoped(running_model=True):
+        yield
+
+
+def hooked_apply_fn(
+    apply_fn,
+    mesh,
+    comm: Comm,
+    cfg: ZeroConfig,
+    layout: StateLayout,
+    batch_rows: set,
+    calls: list,
+    scale=None,
+    stateful: bool | None = None,
+):
+    """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
+    parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
+    dims of the step's batch leaves), each call appends its stage-3 units to `calls`, and
+    `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
+    returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
+    `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). Each call
+    is planned from shapes (`zerojax.core.call_plan`) and run per device by a `Runner`. See
+    `zerojax.comm.device_values` for what each device draws and how written state becomes one."""
+    linen = stateful is None
+
+    def apply(variables, *args, **kwargs):
+        returns_state = _linen_stateful(kwargs) if linen else stateful
+        rngs = _rngs_dict(kwargs.pop("rngs", None)) if linen else None
+        flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
+        found = {}
+        if cfg.uses_units:
+            keys = {} if rngs is None else {"rngs": rngs}
+            found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
+        unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
+        values = tuple(flat[i] for i in dynamic)
+        plan = plan_call(layout, cfg, variables, list(values), batch_rows, unit_leaves, linen)
+        calls.append(frozenset(plan.units))
+        if comm.secondary and not plan.where(UNIT):
+            warn(
+                "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
+                "units, so its parameters are gathered once per step and kept for backward "
+                "(no backward gather to keep inside the node). Name its blocks with units=."
+            )
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
+        run = Runner(plan, model, mesh, comm, cfg, batch_rows, returns_state)
+        out = run(variables, rngs, values, scale)
+        if not returns_state:
+            return out if scale is None else scale_cotangent(out, scale)
+        out, written = out
+        return (out if scale is None else scale_cotangent(out, scale)), written
+
+    return apply
+
+
+@dataclasses.dataclass(frozen=True)
+class Runner:
+    """One planned call run once per device (`shard_map` manual over the data axes): whole
+    parameters enter through `device_copies`, units' leaves as their shards (stage 3) or
+    split as their gradient is (stages 1-2, beside the step's whole copy), other state with
+    its RNG keys folded per device; written state comes back combined."""
+
+    plan: CallPlan
+    model: object  # model(variables, array args, extra kwargs)
+    mesh: object
+    comm: Comm
+    cfg: ZeroConfig
+    batch_rows: set
+    returns_state: bool
+
+    def __call__(self, variables, rngs, values: tuple, scale):
+        plan, comm = self.plan, self.comm
+        leaves = jax.tree_util.tree_leaves(variables)
+        whole, units = plan.where(WHOLE), plan.where(UNIT)
+        pick = lambda idx, field: tuple(getattr(plan.leaves[i], field) for i in idx)
+        copies = device_copies(
+            tuple(leaves[i] for i in whole),
+            scale,
+            pick(whole, "store"),
+            pick(whole, "grad"),
+            self.mesh,
+            comm,
+            (
+                pick(whole, "compute_dtype"),
+                dtype_of(self.cfg.grad_reduce_dtype),
+                tuple(leaves[i].dtype for i in whole),
+            ),
+        )
+        shards = tuple(leaves[i] for i in units)
+        wholes = tuple(  # stages 1-2: the unit's whole weights, beside its split gradient
+            jax.lax.stop_gradient(to_compute(leaves[i], plan.leaves[i].compute_dtype))
+            for i in (units if plan.in_place else ())
+        )
+        others = tuple(leaves[i] for i in plan.where(OTHER))
+        batch = P(comm.data_axis)
+        out_specs = (batch, P()) if self.returns_state else batch
+        in_specs = (
+            tuple(batch for _ in whole),
+            pick(units, "grad" if plan.in_place else "store"),
+            pick(units, "store") if plan.in_place else (),
+            P(),
+            P(),
+            tuple(batch if b else P() for b in plan.batch_args),
+            P(),
+        )
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
+        other_paths = [paths[i] for i in plan.where(OTHER)]  # to match the state written
+        body = functools.partial(self.body, jax.tree_util.tree_structure(variables), other_paths)
+        return manual_over_data(body, self.mesh, comm, in_specs, out_specs)(
+            copies, shards, wholes, others, rngs, values, scale
+        )
+
+    def body(self, var_tree, other_paths, copies, shards, wholes, others, rngs, values, scale):
+        """The model on this device's rows, with its parameters as the plan says."""
+        plan, axis = self.plan, self.comm.data_axis
+        local_rows = {r // self.comm.data_size for r in self.batch_rows}
+        entering = {
+            WHOLE: (c[0] for c in copies),
+            UNIT: iter(shards),
+            OTHER: iter(fold_keys(others, axis)),
+        }
+        variables_local = jax.tree_util.tree_unflatten(
+            var_tree, [next(entering[leaf.role]) for leaf in plan.leaves]
+        )
+        if plan.in_place:
+            variables_local = _with_layer_index(variables_local, plan.layers)
+        ctx = None
+        if plan.units:
+            # not differentiated (the gradient flows through the split leaf): no zero
+            # cotangent is built, or all-reduced, for the whole weights
+            whole = None
+            if plan.in_place:
+                paths = [plan.leaves[i].path for i in plan.where(UNIT)]
+                whole = dict(zip(paths, jax.lax.stop_gradient(wholes), strict=True))
+            ctx = self.gather_context(scale, whole)
+        extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
+        with running_units(ctx):
+            out = self.model(variables_local, values, extra)
+        if not self.returns_state:
+            _check_outputs(out, local_rows)
+            return out
+        out, written = _split_stateful(out)
+        _check_outputs(out, local_rows)
+        received = dict(zip(other_paths, others, strict=True))  # unfolded, keyed as written
+        return out, combine_state(written, received, axis, local_rows)
+
+    def gather_context(self, scale, whole) -> GatherContext:
+        """What the units of this call need to gather (or, `whole`, to reduce in place)."""
+        return GatherContext(
+            comm=self.comm,
+            config=self.cfg,
+            units=frozenset(self.plan.units),
+            split_dims=self.plan.split_dims,
+            stored_ndim=self.plan.stored_ndim,
+            scale=scale,
+            whole=whole,
+        )
+
+
+def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
+    """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
+    return tuple(
+        compute_dtype(cfg) if path and key_name(path[0]) == PARAMS else None
+        for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]
+    )
+
+
+def _linen_stateful(kwargs) -> bool:
+    """Whether a Linen `apply` called with `kwargs` returns `(outputs, mutated variables)`."""
+    return kwargs.get("mutable", False) is not False or bool(kwargs.get("capture_intermediates"))
+
+
+def _rngs_dict(rngs):
+    """Linen's `rngs=` as a dict (one key is shorthand for {'params': key})."""
+    return rngs if rngs is None or isinstance(rngs, dict) else {"params": rngs}
+
+
+def _split_stateful(out):
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ApplyHookError(
+            "zerojax: a model applied with mutable collections returned "
+            f"{type(out).__name__}, not (outputs, mutated variables)."
+        )
+    return out
+
+
+_TRACES = itertools.count()
+
+
+@contextlib.contextmanager
+def fresh_traces():
+    """Inside, a `jax.jit` the model calls (Flax's `nn.jit`, as gemma's Transformer wraps its
+    `__call__`) traces its function again instead of reusing a trace cached outside, so the
+    module calls in it are seen by zerojax (units found, units gathered). JAX keys its trace
+    caches on its "trace context" configuration; this sets one option of it that only names
+    source files in lowered HLO (never lowered in here) to a pattern matching nothing."""
+    with jax_config.hlo_source_file_canonicalization_regex(f"(?!)zerojax-{next(_TRACES)}"):
+        yield
+
+
+def _model(apply_fn, flat: list, positions: list, tree, offload_activations: bool):
+    """`model(variables, array args)`: `apply_fn` with the call's non-array arguments closed
+    over, rematerialised with the activation-offload policy when offload_activations is on."""
+
+    def model(variables, values, extra=None):
+        args, kwargs = with_values(flat, positions, values, tree)
+        with model_running(), fresh_traces():  # its own module calls are not hooked again
+            return apply_fn(variables, *args, **kwargs, **(extra or {}))
+
+    return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
+
+
+def _with_layer_index(variables, layers: dict):
+    """`variables` with, under each stacked unit's parameters, a `LAYER` leaf holding each
+    layer's flat index, so the unit can take its slice of the whole stack (stages 1-2)."""
+    params = dict(variables[PARAMS])
+    for unit, dims in layers.items():
+        if not dims:
+            continue
+        keys = unit.split("/")
+        node = params
+        for key in keys[:-1]:
+            node[key] = dict(node[key])
+            node = node[key]
+        index = jax.numpy.arange(int(np.prod(dims)), dtype=np.int32).reshape(dims)
+        node[keys[-1]] = {**node[keys[-1]], LAYER: index}
+    return {**variables, PARAMS: params}
+
+
+def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> dict:
+    """{path: ModuleCall} of the modules gathered as units (`flax.units`), from an abstract
+    trace of the model that records its module calls."""
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(flat) if is_array(x)]
+    run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
+    shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    with discovering() as found:
+        jax.eval_shape(
+            run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
+        )
+    return {u: found[u] for u in sorted(select_units(found, cfg.units))}
+
+
+def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, axis, local_rows: set, scale=None):
+    """`apply_fn` for steps that already run per device (over the data axes `axis`, on
+    batches of `local_rows` rows): compute-dtype casts and loss scaling, each device's own RNG
+    stream and written state combined (`zerojax.comm.device_values`), no gradient collectives (the
+    step reduces the gradients itself)."""
+
+    def apply(variables, *args, **kwargs):
+        calls.append(frozenset())
+        stateful, rngs = _linen_stateful(kwargs), kwargs.pop("rngs", None)
+        if rngs is not None:
+            kwargs["rngs"] = fold_keys(_rngs_dict(rngs), axis, raw=True)
+        leaves, var_tree = jax.tree_util.tree_flatten(variables)
+        copies = compute_copies(
+            tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))
+        )
+        flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        dynamic = [i for i, x in enumerate(flat) if is_array(x)]
+        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
+        out = model(
+            jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)
+        )
+        written = None
+        if stateful:
+            out, written = _split_stateful(out)
+            given = dict(jax.tree_util.tree_flatten_with_path(variables)[0])
+            written = combine_state(written, given, axis, local_rows)
+        out = out if scale is None else scale_cotangent(out, scale)
+        return out if written is None else (out, written)
+
+    return apply
+
+
+def _check_outputs(out, local_rows: set):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+        if np.ndim(leaf) == 0 or np.shape(leaf)[0] not in local_rows:
+            raise ApplyHookError(
+                f"zerojax: the model (state.apply_fn, model.apply or an NNX model) returned "
+                f"{jax.tree_util.keystr(path) or 'its output'} "
+                f"with shape {np.shape(leaf)}, whose leading dimension is not the per-device "
+                f"batch {sorted(local_rows)}; explicit collectives need every output to be "
+                "per-example. Return per-example outputs (reduce them in the loss), or use "
+                "zero_shard(..., explicit_collectives=False)."
+            )

@@ -1,0 +1,162 @@
+"""Which collectives the compiled schedule hides behind compute, read from the scheduled module.
+
+An accelerator compiler splits a collective into a start and a done and schedules other work
+between them; the collective is *overlapped* when a matmul (a `dot` or `convolution`, directly
+or inside a fusion, loop or call) is scheduled between its start and its done, and *exposed*
+otherwise: a synchronous collective always is. This reads XLA's async pairs (`all-gather-start`
+/ `all-gather-done`, `async-start` / `async-done`) and the TPU compiler's
+(`async-collective-start.N` / `async-collective-done.N` fusions, whose matmuls may be fused with
+the collective's steps). XLA's CPU compiler schedules every collective synchronously, so on CPU
+everything is exposed: the figure means something for a GPU or TPU program (`zerojax plan
+--topology`). Collectives inside a while loop count once per iteration, as in `report`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+from zerojax.inspect.hlo import (
+    COLLECTIVES,
+    Collective,
+    collectives_in,
+    split_computations,
+    trip_count,
+)
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPNAME = re.compile(r"\s([a-z][a-z0-9_\-]*)\(")
+_CALLEE = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
+_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_MATMUL = ("dot", "convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """One collective of the scheduled program, and whether a matmul runs while it does."""
+
+    collective: Collective
+    overlapped: bool
+
+
+def _op(text: str) -> str:
+    """The opcode of an instruction's right-hand side (after its result type)."""
+    m = _OPNAME.search(" " + text)
+    return m.group(1) if m else ""
+
+
+def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = None):
+    """Every collective the scheduled module runs (once per loop iteration), each marked
+    overlapped or exposed."""
+    comps, entry = split_computations(hlo_text)
+    reader = _ScheduleReader(comps, num_devices, local or num_devices)
+    return reader.walk(entry, ()) if entry else []
+
+
+class _ScheduleReader:
+    """Walks a scheduled module's computations in order, pairing each async collective's
+    start with its done and noting whether a matmul was scheduled between them."""
+
+    def __init__(self, comps: dict, num_devices: int, local: int):
+        self.comps, self.num_devices, self.local = comps, num_devices, local
+        self.has_matmul = functools.cache(self._has_matmul)
+
+    def collectives(self, line: str) -> list[Collective]:
+        return collectives_in(line, self.num_devices, self.local)
+
+    def callees(self, line: str) -> list[str]:
+        return [c for c in _CALLEE.findall(line) if c in self.comps]
+
+    def _has_matmul(self, comp: str) -> bool:
+        for line in self.comps.get(comp, ()):
+            m = _INSTR.match(line)
+            if m and (_op(m.group(2)) in _MATMUL or any(map(self.has_matmul, self.callees(line)))):
+                return True
+        return False
+
+    def started(self, line: str) -> list[Collective]:
+        """The collective an async start runs: on its own line, or first in the computation
+        it calls (XLA's async-start, the TPU compiler's start fusion)."""
+        if found := self.collectives(line):
+            return found
+        for callee in self.callees(line):
+            for callee_line in self.comps[callee]:
+                if found := self.collectives(callee_line):
+                    return found
+        return []
+
+    def fused(self, comp: str) -> list[Collective]:
+        """The collectives of a fused computation. The TPU compiler's 'all-reduce-scatter'
+        fusion combines reduce-scatters into one all-reduce whose result it slices: it runs
+        the reduce-scatter half, and is counted as the reduce-scatter it is."""
+        found = [c for line in self.comps[comp] for c in self.collectives(line)]
+        if comp.startswith("all-reduce-scatter"):
+            found = [dataclasses.replace(c, kind="reduce-scatter") for c in found]
+        return found
+
+    def walk(self, comp: str, seen: tuple) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        pending: dict[str, list[Collective]] = {}  # started, not done: by start name
+        beside_matmul: set[str] = set()  # of those, the ones a matmul was scheduled after
+        for line in self.comps.get(comp, ()):
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, rhs = m.groups()
+            op = _op(rhs)
+            if op.endswith("-start") or name.startswith("async-collective-start"):
+                if found := self.started(line):
+                    pending[name] = found
+                    continue
+            if (key := _done_of(name, op, rhs)) in pending:
+                out += [Scheduled(c, key in beside_matmul) for c in pending.pop(key)]
+                continue
+            if op in COLLECTIVES:  # synchronous: nothing runs beside it
+                out += [Scheduled(c, False) for c in self.collectives(line)]
+                continue
+            out += self.nested(line, op, rhs, comp, seen)
+            if op in _MATMUL or any(map(self.has_matmul, self.callees(line))):
+                beside_matmul |= pending.keys()
+        # a start whose done this computation does not hold (e.g. across a loop boundary):
+        # counted, as exposed (nothing here is known to run beside it)
+        return out + [Scheduled(c, False) for found in pending.values() for c in found]
+
+    def nested(self, line: str, op: str, rhs: str, comp: str, seen: tuple) -> list[Scheduled]:
+        """The collectives of what `line` calls: a fusion's (synchronous), a loop body's
+        (times its trips), a call's or a conditional branch's (in order)."""
+        if op == "fusion":  # collectives fused synchronously, e.g. TPU's reduce-scatters
+            return [  # not an in-flight one's step
+                Scheduled(c, False)
+                for callee in self.callees(line)
+                if not callee.startswith("async_collective")
+                for c in self.fused(callee)
+            ]
+        loop = _WHILE.search(rhs) if op == "while" else None
+        if loop and loop.group(2) not in seen:
+            trips = trip_count(line, self.comps.get(loop.group(1), []))
+            return self.walk(loop.group(2), seen + (comp,)) * trips
+        if op in ("call", "conditional"):
+            return [
+                s
+                for callee in self.callees(line)
+                if callee not in seen
+                for s in self.walk(callee, seen + (comp,))
+            ]
+        return []
+
+
+def _done_of(name: str, op: str, rhs: str) -> str | None:
+    """The start an async done instruction completes (None for any other instruction)."""
+    if name.startswith("async-collective-done"):
+        return name.replace("-done", "-start")
+    if op.endswith("-done"):
+        operand = re.search(r"-done\(%?([\w.\-]+)", rhs)
+        return operand and operand.group(1)
+    return None
+
+
+def overlap_bytes(scheduled: list[Scheduled]) -> tuple[float, float]:
+    """(bytes one device sends in overlapped collectives, in exposed ones) per step."""
+    hidden = sum(s.collective.sent_bytes for s in scheduled if s.overlapped)
+    return hidden, sum(s.collective.sent_bytes for s in scheduled) - hidden

@@ -1,0 +1,1 @@
+"""Checkpoints, consolidated export and loading published weights."""

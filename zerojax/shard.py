@@ -1,0 +1,315 @@
+"""`zero_shard`: one object that places a train state by the ZeRO rules and jits the step.
+
+zero = zero_shard(stage=3)
+state = zero.init(init_fn, key)      # born sharded
+@zero
+def train_step(state, batch): ...    # unchanged single-device step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from zerojax.comm.hierarchy import NODE, comm_for
+from zerojax.comm.offload import to_storage
+from zerojax.core.config import ZeroConfig, ZeroError, resolve_config
+from zerojax.core.errors import warn
+from zerojax.core.mesh import default_mesh
+from zerojax.core.rules import LeafPlan, StateLayout, path_str, plan_state, with_units
+from zerojax.engine.checks import check_init_fn
+from zerojax.engine.state import Boundary, boundary, managed
+from zerojax.engine.step import ZeroStep
+from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
+from zerojax.flax.nnx import nnx_building
+from zerojax.inspect.describe import Description, describe, replication_warnings
+
+if TYPE_CHECKING:
+    from zerojax.inspect.report import Report
+
+PyTree = Any  # a train state, batch or any nest of arrays
+
+
+def zero_shard(
+    stage: int | None = None, *, mesh=None, config=None, strict: bool = True, **options
+) -> ZeroShard:
+    """A ZeroShard from `config` (ZeroConfig, DeepSpeed JSON path or dict) with keyword options
+    (`stage` included) overriding it; `mesh` defaults to all devices on the config's axis.
+    `strict=False` warns about unknown DeepSpeed keys instead of refusing them."""
+    if stage is not None:
+        options["stage"] = stage
+    return ZeroShard(resolve_config(config, strict=strict, **options), mesh)
+
+
+class ZeroShard:
+    """Sharding rules for one mesh and config, and the decorator that applies them to a step."""
+
+    def __init__(self, config: ZeroConfig, mesh=None):
+        self.mesh = default_mesh(config) if mesh is None else mesh
+        self.comm = comm_for(self.mesh, config)  # which axes each collective runs over
+        self.axis_size = self.comm.data_size  # devices that split the batch
+        self.shard_size = self.comm.shard_size  # devices that split the state
+        # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
+        self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
+        # a pure cache of `layout`, keyed by structure, and the causes this zero has warned
+        # about (each once); nothing else is kept between calls
+        self._layouts: dict[tuple, StateLayout] = {}
+        self.warned: set[str] = set()
+        idle = config.inert_options()
+        if NODE in self.mesh.shape and config.axis not in ("data", self.comm.shard_axis):
+            idle["axis"] = "on a ('node', 'local') mesh: zerojax shards over both its axes"
+        if idle:
+            warn(
+                "zerojax: "
+                + "; ".join(
+                    f"{name}={getattr(config, name)!r} does nothing {why}"
+                    for name, why in idle.items()
+                )
+                + ". Leave them at their defaults, or change what they depend on.",
+                self.warned,
+            )
+
+    def __repr__(self):
+        return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"
+
+    # ---- placement -------------------------------------------------------------------------
+    def layout(self, state: PyTree) -> StateLayout:
+        """Every leaf's `LeafPlan` for `state` (a train state, its abstract shape, or NNX
+        objects: their dict state), computed once per leaf paths, shapes, dtypes and the
+        model's tensor-parallel layout, then cached: the one place a leaf's layout is decided."""
+        user = boundary(state)
+        return self._layout(read_linen_boxes(user.tree, self.mesh, self.config)[0], user)
+
+    def _layout(self, tree, user: Boundary) -> StateLayout:
+        """The layout of `tree` (`user`'s state, or what `manage` made of it) for the
+        tensor-parallel layout `user` declares."""
+        tensor = self._declared(user)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        key = (
+            tuple((jax.tree_util.keystr(p), np.shape(x), str(x.dtype)) for p, x in leaves),
+            tuple(sorted(tensor.items())),
+        )
+        if key not in self._layouts:
+            self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor)
+            causes = replication_warnings(
+                self._layouts[key].plans, self.config, self.shard_size, jax.device_count()
+            )
+            for cause, message in causes.items():
+                warn(message, self.warned, cause)
+        cached = self._layouts[key]
+        # a state of another TrainState instance (its apply_fn, tx) has the same plans
+        return cached if cached.treedef == treedef else dataclasses.replace(cached, treedef=treedef)
+
+    def _declared(self, user: Boundary) -> dict:
+        """{parameter path: TensorSpec}: the tensor-parallel layout the state itself declares
+        (NNX sharding metadata, Linen boxes) or, placed or abstract, carries in its shardings."""
+        return (
+            user.tensor_specs(self.mesh, self.config)
+            or read_linen_boxes(user.tree, self.mesh, self.config)[1]
+            or carried_tensor_specs(user.tree, self.mesh, self.config)
+        )
+
+    def plan(self, state: PyTree, *, step: ZeroStep | None = None, batch=None) -> list[LeafPlan]:
+        """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
+        (NNX objects: for their dict state, see zerojax.flax.nnx). Given the `step` and a
+        `batch`, each parameter also names its unit (found by tracing the step)."""
+        plans = list(self.layout(state).plans)
+        if step is None:
+            return plans
+        args = state if isinstance(state, tuple) and boundary(state).objects else (state,)
+        return with_units(plans, step.units_of(*args, batch))
+
+    def state_shardings(self, state: PyTree) -> PyTree:
+        """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
+        (NNX objects: one per leaf of their dict state `{params, opt_state, other}`)."""
+        return self.layout(state).shardings(self.mesh)
+
+    def manage(self, state: PyTree) -> PyTree:
+        """`state` as this config trains it, without the model's partitioning boxes: with
+        precision, accumulation or clipping on, 16-bit params plus a `ZeroOptState` (master
+        weights, buffers); otherwise unchanged. NNX objects: new managed objects."""
+        user = boundary(state)
+        held = self._managed(user, user.tree)
+        return held.rebuild(held.tree)
+
+    def _managed(self, user: Boundary, tree) -> Boundary:
+        return managed(
+            user, read_linen_boxes(tree, self.mesh, self.config)[0], self.config, self.axis_size
+        )
+
+    def abstract(self, state: PyTree) -> PyTree:
+        """`state` (a train state or its abstract shape; NNX objects: their dict state) as this
+        zero holds it: managed, as ShapeDtypeStructs carrying their shardings."""
+        return self.holding(state)[0]
+
+    def holding(self, state: PyTree) -> tuple[PyTree, Boundary]:
+        """(`abstract(state)`, the boundary whose `rebuild` turns such a tree into the user's
+        kind of state: for NNX objects, managed objects like them)."""
+        user, seen = boundary(state), []
+
+        def manage(tree):
+            seen.append(self._managed(user, tree))
+            return seen[-1].tree
+
+        tree = jax.eval_shape(manage, user.tree)
+        shardings = self._layout(tree, user).shardings(self.mesh)  # user: its declared TP
+        abstract = jax.tree_util.tree_map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+        return abstract, seen[-1]
+
+    def shard(self, state: PyTree) -> PyTree:
+        """`state` managed and placed by the rules (a copy; the input is left as it was). NNX
+        objects (one, or a tuple) come back as new objects holding the placed state."""
+        user = boundary(state)
+        abstract, held = self.holding(state)
+        shardings = jax.tree_util.tree_map(lambda x: x.sharding, abstract)
+        tree = read_linen_boxes(user.tree, self.mesh, self.config)[0]
+        mesh_devices = set(self.mesh.devices.flat)
+        elsewhere = lambda x: isinstance(x, jax.Array) and x.sharding.device_set != mesh_devices
+        if any(elsewhere(x) for x in jax.tree_util.tree_leaves(tree)):  # e.g. built on one device
+            tree = jax.tree_util.tree_map(
+                lambda x, s: jax.device_put(x, s.with_memory_kind("device")) if elsewhere(x) else x,
+                tree,
+                self._layout(jax.eval_shape(lambda t: t, tree), user).shardings(self.mesh),
+            )
+        placed = jax.jit(lambda t: self._managed(user, t).tree, out_shardings=shardings)(tree)
+        self._check_logical_rules_used(self._declared(user))
+        return held.rebuild(placed)
+
+    def init(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
+        """Run `init_fn(*args, **kwargs)` under jit with sharded outputs: the state is created
+        shard by shard and never exists whole on one device."""
+        check_init_fn(init_fn, args, kwargs)
+        seen = []  # the traced state's boundary (to rebuild the user's kind) and its TP layout
+
+        def make(*a, **k):  # traced once: init_fn may build a new model object per call
+            with nnx_building():
+                user = boundary(init_fn(*a, **k))
+                declared, held = self._declared(user), self._managed(user, user.tree)
+            seen.append((held, declared))
+            state = jax.tree_util.tree_map(jnp.asarray, held.tree)
+            return to_storage(state, self._layout(state, user).shardings(self.mesh))
+
+        state = jax.jit(make)(*args, **kwargs)
+        held, declared = seen[-1]
+        self._check_logical_rules_used(declared)
+        return held.rebuild(state)
+
+    def _check_logical_rules_used(self, declared: dict):
+        if self.config.logical_rules and not declared:
+            warn(
+                "zerojax: logical_rules has nothing to map: the model declares no "
+                "partitioning (nn.with_logical_partitioning, nnx.with_partitioning), "
+                "so only ZeRO's axis splits the state.",
+                self.warned,
+            )
+
+    def eval_shape(self, init_fn: Callable[..., PyTree], *args, **kwargs) -> PyTree:
+        """The state `init` would create, as ShapeDtypeStructs carrying their shardings: lower,
+        compile and report a step for a model too large to allocate (nothing is allocated).
+        NNX objects come back as abstract objects whose variables hold them."""
+        with nnx_building():
+            abstract, held = self.holding(jax.eval_shape(init_fn, *args, **kwargs))
+            return held.rebuild(abstract)
+
+    def place_batch(self, batch: PyTree) -> PyTree:
+        """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
+        multi-process run each process passes its own slice of the global batch."""
+        multiprocess = jax.process_count() > 1
+        leading = {
+            path_str(p) or "(root)": np.shape(x)[0]
+            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+            if np.ndim(x)
+        }
+        if len(set(leading.values())) > 1:
+            raise ZeroError(
+                f"batch leaves have different leading dimensions ({leading}): "
+                "zerojax splits every batch leaf on its first dimension, so all "
+                "need the batch first and the same number of rows."
+            )
+
+        def place(path, leaf):
+            if not hasattr(leaf, "shape"):
+                leaf = np.asarray(leaf)
+            sharding = NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
+            if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
+                return leaf
+            abstract = isinstance(leaf, jax.ShapeDtypeStruct)  # always the global batch
+            rows = np.shape(leaf)[0] if np.ndim(leaf) else 0
+            rows *= jax.process_count() if multiprocess and not abstract else 1
+            micro = self.config.micro_batch_size
+            if micro and np.ndim(leaf) and rows != micro * self.axis_size:
+                raise ZeroError(
+                    f"batch leaf {path_str(path) or '(root)'} has {rows} rows, but the config "
+                    f"says train_micro_batch_size_per_gpu {micro} x {self.axis_size} devices = "
+                    f"{micro * self.axis_size} per call of the step."
+                )
+            if rows % self.axis_size:
+                raise ZeroError(
+                    f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
+                    f"{np.shape(leaf)}), which does not divide by the {self.axis_size} devices "
+                    f"of axes {self.comm.data_axis!r}: use a global batch that is a multiple of "
+                    f"{self.axis_size}."
+                )
+            if abstract:
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+            if multiprocess and np.ndim(leaf):
+                return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+            return jax.device_put(leaf, sharding)
+
+        return jax.tree_util.tree_map_with_path(place, batch)
+
+    # ---- the step --------------------------------------------------------------------------
+    def __call__(self, step_fn):
+        """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
+        return ZeroStep(self, step_fn)
+
+    def load_safetensors(self, state: PyTree, path: str, *, names=None, transpose=None) -> PyTree:
+        """`state` with its parameters read from a Hugging Face style safetensors file, each
+        device reading only its own slice (see zerojax.io.interop)."""
+        from zerojax.io.interop import load_safetensors
+
+        user = boundary(state)  # NNX objects: new objects holding the loaded state
+        return user.rebuild(
+            load_safetensors(self, user.tree, path, names=names, transpose=transpose)
+        )
+
+    def describe(
+        self,
+        state: PyTree,
+        *,
+        tolerance: float | None = None,
+        show: bool = True,
+        step: ZeroStep | None = None,
+        batch=None,
+    ) -> Description:
+        """Print (unless `show=False`) and return a table of every leaf of `state` (a train
+        state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
+        bytes per device, and (given the `step` and a `batch`) each parameter's unit.
+        Raises ZeroError when more than `tolerance` (a fraction, e.g. 0.02) of the bytes this
+        stage splits stays replicated (why was said when the zero first planned the state).
+        See zerojax.inspect.describe."""
+        units = {}
+        if step is not None:
+            units = {p.path: p.unit for p in self.plan(state, step=step, batch=batch) if p.unit}
+        out = describe(self, boundary(state).tree, tolerance, units)
+        if show:
+            print(out, end="")
+        return out
+
+    def report(
+        self, step: ZeroStep, state: PyTree, batch: PyTree, *extra, dump_to: str | None = None
+    ) -> Report:
+        """Compiled memory and communication of `step` on these inputs (see zerojax.inspect.report);
+        `dump_to`, a path prefix, also writes the partitioned and optimized HLO."""
+        from zerojax.inspect.report import build_report
+
+        return build_report(self, step, state, batch, *extra, dump_to=dump_to)
