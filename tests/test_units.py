@@ -324,3 +324,31 @@ def test_saved_activations_never_include_the_weights():
     # a module that casts its weights keeps a copy of them: said, with the fix
     with pytest.warns(zj.ZeroWarning, match="copy of a \\(8, 8\\) weight"):
         saved(jnp.bfloat16)
+
+
+def test_a_step_reports_the_variant_it_last_ran():
+    """Each compiled variant keeps what its own trace found: a step that applies the model for
+    one batch structure only reports that variant's units again once it runs it again, though
+    the other variant was traced after it."""
+    zero = zj.zero_shard(stage=3, units="Block")
+    state = zero.shard(init_fn(Transformer(2, False), 16)(jax.random.key(0)))
+
+    def step_fn(state, batch):
+        def loss_fn(params):
+            if "tokens" in batch:
+                return state.apply_fn({"params": params}, batch["tokens"]).mean()
+            squares = sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(params))
+            return squares * batch["weight"].mean()
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    step = zero(step_fn)
+    assert step.units is None and step.used_explicit_collectives is None  # nothing traced yet
+    tokens = {"tokens": np.zeros((8, 16), np.int32)}
+    state = step(state, tokens)
+    assert step.units == ("block_0", "block_1") and step.used_explicit_collectives
+    with pytest.warns(zj.ZeroWarning, match="does not call state.apply_fn"):
+        state = step(state, {"weight": np.ones((8,), np.float32)})
+    assert step.units == () and step.used_explicit_collectives is False
+    state = step(state, tokens)  # compiled already: not traced again
+    assert step.units == ("block_0", "block_1") and step.used_explicit_collectives

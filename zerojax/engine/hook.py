@@ -62,6 +62,25 @@ def model_running():
         yield
 
 
+@dataclasses.dataclass
+class TraceLog:
+    """What one trace of a step found in its model calls, read once that trace is done: the
+    stage-3 units of each call sent through the hook. A step keeps one per compiled variant,
+    so what it reports is that variant's, and nothing is written on the step while tracing."""
+
+    calls: list[frozenset] = dataclasses.field(default_factory=list)
+
+    @property
+    def hooked(self) -> bool:
+        """Whether any model call ran per device with zerojax's collectives."""
+        return bool(self.calls)
+
+    @property
+    def units(self) -> tuple[str, ...]:
+        """The units gathered in the trace, sorted."""
+        return tuple(sorted(frozenset().union(*self.calls)))
+
+
 def hooked_apply_fn(
     apply_fn,
     mesh,
@@ -69,13 +88,13 @@ def hooked_apply_fn(
     cfg: ZeroConfig,
     layout: StateLayout,
     batch_rows: set,
-    calls: list,
+    log: TraceLog,
     scale=None,
     stateful: bool | None = None,
 ):
     """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
     parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
-    dims of the step's batch leaves), each call appends its stage-3 units to `calls`, and
+    dims of the step's batch leaves), each call notes its stage-3 units in `log`, and
     `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
     returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
     `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). Each call
@@ -95,7 +114,7 @@ def hooked_apply_fn(
         unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
         values = tuple(flat[i] for i in dynamic)
         plan = plan_call(layout, cfg, variables, list(values), batch_rows, unit_leaves, linen)
-        calls.append(frozenset(plan.units))
+        log.calls.append(frozenset(plan.units))
         if comm.secondary and not plan.where(UNIT):
             warn(
                 "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
@@ -301,14 +320,14 @@ def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> dict:
     return {u: found[u] for u in sorted(select_units(found, cfg.units))}
 
 
-def local_apply_fn(apply_fn, cfg: ZeroConfig, calls: list, axis, local_rows: set, scale=None):
+def local_apply_fn(apply_fn, cfg: ZeroConfig, log: TraceLog, axis, local_rows: set, scale=None):
     """`apply_fn` for steps that already run per device (over the data axes `axis`, on
     batches of `local_rows` rows): compute-dtype casts and loss scaling, each device's own RNG
     stream and written state combined (`zerojax.comm.device_values`), no gradient collectives (the
     step reduces the gradients itself)."""
 
     def apply(variables, *args, **kwargs):
-        calls.append(frozenset())
+        log.calls.append(frozenset())
         stateful, rngs = _linen_stateful(kwargs), kwargs.pop("rngs", None)
         if rngs is not None:
             kwargs["rngs"] = fold_keys(_rngs_dict(rngs), axis, raw=True)

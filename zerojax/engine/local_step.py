@@ -18,7 +18,7 @@ from zerojax.engine.optim import capture_gradients, cast_floating
 from zerojax.engine.outputs import one_capture, split_output
 
 
-def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extra):
+def local_body(fn, cfg, comm, param_grad_specs, log, micro, state, batch, extra):
     """The user's step `fn` on this device's slice of the batch, summing its own gradients into
     the `per_device` buffer; unless `micro`, the sums are reduced once (mean over devices, as
     DDP) into the stage's gradient layout. Returns (new state, reduced gradients or (),
@@ -28,7 +28,7 @@ def local_body(fn, cfg, comm, param_grad_specs, calls, micro, state, batch, extr
     scale = state.opt_state.scale if cfg.scales_loss else None
     view = state.replace(
         params=cast_floating(state.params, jnp.float32),
-        apply_fn=local_apply_fn(original, cfg, calls, axis, local_rows(batch), scale),
+        apply_fn=local_apply_fn(original, cfg, log, axis, local_rows(batch), scale),
     )
     with capture_gradients() as sink:
         out = fn(view, batch, *extra)

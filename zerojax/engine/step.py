@@ -31,7 +31,7 @@ from zerojax.core.config import ZeroError
 from zerojax.core.errors import once_per, warn
 from zerojax.core.rules import OPT_STATE, PARAMS, category_of, check_placed
 from zerojax.engine.checks import check_arity, check_call
-from zerojax.engine.hook import hooked_apply_fn
+from zerojax.engine.hook import TraceLog, hooked_apply_fn
 from zerojax.engine.local_step import local_body
 from zerojax.engine.optim import (
     ZeroOptState,
@@ -57,9 +57,8 @@ class ZeroStep:
 
     def __init__(self, zero, fn):
         self.zero, self.fn = zero, fn
-        self._jitted = {}
-        self.used_explicit_collectives = None  # known after the first trace
-        self.units: tuple[str, ...] | None = None  # stage-3 units of the last trace
+        self._jitted: dict[tuple, tuple] = {}  # compile key: (jitted, shardings, TraceLog)
+        self._last: TraceLog | None = None  # what the trace of the variant last run found
         # the micro-batch position of the state the last call returned, known without reading
         # the device: a weak reference to that state's counter (never to the state itself)
         self._last_micro: weakref.ref | None = None
@@ -90,10 +89,7 @@ class ZeroStep:
     def _call(self, args):
         if (fitted := self._budgeted(args)) is not None:
             out = fitted(*args)
-            self.used_explicit_collectives, self.units = (
-                fitted.used_explicit_collectives,
-                fitted.units,
-            )
+            self._last = fitted._last
             return out
         call, batch, extra = split_call(args)
         check_call(call.tree, batch, extra)
@@ -101,9 +97,10 @@ class ZeroStep:
         self.check()
         micro_index = self._micro_index(call.tree)
         micro = self._is_micro(micro_index)
-        jitted, shardings, batch = self._prepare(call, batch, extra, micro, args)
+        jitted, shardings, log, batch = self._prepare(call, batch, extra, micro, args)
         check_placed(call.tree, shardings)
         out = jitted(call.tree, batch, *extra)
+        self._last = log
         self._warn_if_not_hooked()
         if call.objects is not None:  # NNX: the objects take the new state, fn's return is out
             new_tree, out = out
@@ -149,14 +146,12 @@ class ZeroStep:
     def _trace(self, args, micro: bool) -> jax.stages.Traced:
         if (fitted := self._budgeted(args)) is not None:
             traced = fitted.trace(*args, micro=micro)
-            self.used_explicit_collectives, self.units = (
-                fitted.used_explicit_collectives,
-                fitted.units,
-            )
+            self._last = fitted._last
             return traced
         state, batch, extra = split_call(args)
-        jitted, _, batch = self._prepare(state, batch, extra, micro, args)
+        jitted, _, log, batch = self._prepare(state, batch, extra, micro, args)
         traced = jitted.trace(state.tree, batch, *extra)
+        self._last = log
         self._warn_if_not_hooked()
         return traced
 
@@ -166,10 +161,16 @@ class ZeroStep:
         self.trace(*args)
         return self.units or ()
 
-    def _traced_calls(self, calls: list) -> None:
-        """Record what the model calls of a trace did: each call appends its units."""
-        self.used_explicit_collectives = bool(calls)
-        self.units = tuple(sorted(frozenset().union(*calls)))
+    @property
+    def units(self) -> tuple[str, ...] | None:
+        """The stage-3 units of the variant last called or traced (None before any)."""
+        return None if self._last is None else self._last.units
+
+    @property
+    def used_explicit_collectives(self) -> bool | None:
+        """Whether the variant last called or traced ran a model call per device with
+        zerojax's collectives (None before any)."""
+        return None if self._last is None else self._last.hooked
 
     def lower(self, *args, micro: bool = False) -> jax.stages.Lowered:
         """`trace(...)` lowered: the usual jax `Lowered`, to compile or inspect."""
@@ -205,9 +206,9 @@ class ZeroStep:
             )
 
     def _prepare(self, state: Boundary, batch, extra, micro: bool, args: tuple):
-        """(jitted function, state shardings, placed batch), compiled once per structure,
-        shapes and variant; the checks that depend only on those (`args`: the user's call)
-        run then, off the per-call path."""
+        """(jitted function, state shardings, its TraceLog, placed batch), compiled once per
+        structure, shapes and variant; the checks that depend only on those (`args`: the user's
+        call) run then, off the per-call path."""
         tree, objects = state.tree, state.objects
         batch = self.zero.place_batch(batch)
         key = (
@@ -229,31 +230,37 @@ class ZeroStep:
             layout = self.zero.layout(tree)
             shardings = layout.shardings(self.zero.mesh)
             rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
+            log = TraceLog()
             if objects is None:
-                traced = functools.partial(self._traced, layout, shardings, rows, micro)
+                traced = functools.partial(self._traced, log, layout, shardings, rows, micro)
             else:
                 traced = functools.partial(
-                    self._traced_objects, objects, layout, shardings, rows, micro
+                    self._traced_objects, log, objects, layout, shardings, rows, micro
                 )
             donate = (0,) if self.zero.config.donate else ()
-            self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings)
+            self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings, log)
         return (*self._jitted[key], batch)
 
     # ---- tracing -----------------------------------------------------------------------------
-    def _traced(self, layout, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced(self, log, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
+        log.calls.clear()  # a trace again (jax retraces) notes its calls afresh
         state = jax.lax.with_sharding_constraint(state, shardings)
         host_update = cfg.updates_on_host
         state = to_device(
             state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
         )
         if cfg.manages_update and present(state.opt_state.per_device):  # optim.prepare_state
-            out = self._traced_local(layout, shardings, micro, state, batch, *extra)
+            out = self._traced_local(log, layout, shardings, micro, state, batch, *extra)
         else:
-            out = self._traced_global(layout, shardings, batch_rows, micro, state, batch, *extra)
+            out = self._traced_global(
+                log, layout, shardings, batch_rows, micro, state, batch, *extra
+            )
         return finish(out, state, shardings, cast=cfg.uses_16bit and not micro)
 
-    def _traced_objects(self, objects, layout, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced_objects(
+        self, log, objects, layout, shardings, batch_rows, micro, state, batch, *extra
+    ):
         """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
         state; the objects' calls on the batch run through the per-device hook, and a managed
         update is applied as for a TrainState (`flax.nnx_managed`)."""
@@ -264,7 +271,8 @@ class ZeroStep:
             shardings,
             keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None,
         )
-        objs, calls = objects.merge(state), []
+        objs = objects.merge(state)
+        log.calls.clear()  # a trace again (jax retraces) notes its calls afresh
         managed = None
         if cfg.manages_update:
             master = getattr(zero_opt_state(shardings), "master", ())
@@ -285,7 +293,7 @@ class ZeroStep:
             )
         hooked = contextlib.nullcontext()
         if self.zero.config.explicit_collectives:
-            hook = self._hook(layout, batch_rows, calls, managed and managed.scale)
+            hook = self._hook(layout, batch_rows, log, managed and managed.scale)
             hooked = nnx_calls_hooked(hook, batch_rows, objs, objects.prefixes)
         with hooked, updating(managed.update) if managed else nullcontext([]) as updates:
             try:
@@ -300,8 +308,7 @@ class ZeroStep:
                     "step(model, optimizer, batch), taking nnx.grad of the model and calling "
                     "optimizer.update(model, grads)."
                 ) from None
-        self._traced_calls(calls)
-        if managed and cfg.uses_16bit and not calls:
+        if managed and cfg.uses_16bit and not log.hooked:
             raise ZeroError(
                 f"precision={cfg.precision!r} casts the parameters where the model runs per "
                 f"device, which this step rules out: {self._fallback_reason()}. Train in "
@@ -316,16 +323,16 @@ class ZeroStep:
             new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
         return to_storage(new, shardings), out
 
-    def _hook(self, layout, batch_rows, calls, scale):
+    def _hook(self, layout, batch_rows, log, scale):
         """`hook(apply)`: `apply` run per device with the explicit collectives."""
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
         return lambda apply, stateful=None: hooked_apply_fn(
-            apply, mesh, comm, cfg, layout, batch_rows, calls, scale, stateful
+            apply, mesh, comm, cfg, layout, batch_rows, log, scale, stateful
         )
 
-    def _traced_global(self, layout, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced_global(self, log, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
-        original, calls = getattr(state, "apply_fn", None), []
+        original = getattr(state, "apply_fn", None)
         managed = cfg.manages_update
         scale = state.opt_state.scale if managed and cfg.scales_loss else None
         view = state
@@ -333,7 +340,7 @@ class ZeroStep:
             params = cast_floating(state.params, jnp.float32)
             view = view.replace(params=_constrain(params, shardings.params))
         explicit = self.zero.config.explicit_collectives
-        hook = self._hook(layout, batch_rows, calls, scale)
+        hook = self._hook(layout, batch_rows, log, scale)
         if explicit and callable(original) and hasattr(state, "replace"):
             view = view.replace(apply_fn=hook(original))
         elif managed and cfg.uses_16bit:
@@ -347,7 +354,6 @@ class ZeroStep:
         update = functools.partial(self._managed_update, layout, shardings, micro)
         with updating(update) if managed else nullcontext([]) as updates, hooked:
             out = self.fn(view, batch, *extra)
-        self._traced_calls(calls)
         new_state, rest = split_output(out, state)
         if original is not None:
             new_state = new_state.replace(apply_fn=original)
@@ -398,7 +404,7 @@ class ZeroStep:
         host = (master, inner, grads, NamedSharding(mesh, P()))
         return functools.partial(optimizer_on_host, shardings=host)
 
-    def _traced_local(self, layout, shardings, micro, state, batch, *extra):
+    def _traced_local(self, log, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
         # the step runs per device on its parameters' and optimizer state's storage layout,
         # and on whole other fields (an EMA split at rest is gathered for it)
@@ -406,8 +412,7 @@ class ZeroStep:
             lambda p, s: s.spec if category_of(p) in (PARAMS, OPT_STATE) else P(), shardings
         )
         param_grad_specs = layout.param_specs(state.params, "grad_spec")
-        calls: list = []
-        body = functools.partial(local_body, self.fn, cfg, comm, param_grad_specs, calls, micro)
+        body = functools.partial(local_body, self.fn, cfg, comm, param_grad_specs, log, micro)
         batch_specs = jax.tree_util.tree_map(
             lambda x: P(comm.data_axis) if np.ndim(x) else P(), batch
         )
@@ -419,7 +424,6 @@ class ZeroStep:
             (specs, param_grad_specs if not micro else P(), P()),
             check_vma=False,
         )(state, batch, extra)
-        self._traced_calls(calls)
         if micro:
             new_state = new_state.replace(opt_state=accumulate(new_state.opt_state, ()))
         else:
