@@ -318,9 +318,8 @@ class ZeroStep:
             one_capture(updates)
             managed.finish()
         new = objects.to_state(objs)
-        master = getattr(zero_opt_state(shardings), "master", ())
-        if cfg.uses_16bit and not micro and same_structure(new[PARAMS], master):
-            new = {**new, PARAMS: jax.lax.with_sharding_constraint(new[PARAMS], master)}
+        if not micro:
+            new = {**new, PARAMS: _split_like_master(new[PARAMS], shardings)}
         return to_storage(new, shardings), out
 
     def _hook(self, layout, batch_rows, log, scale):
@@ -360,11 +359,7 @@ class ZeroStep:
         if not managed:
             return (new_state, *rest) if rest is not None else new_state
         one_capture(updates)
-        if present(state.opt_state.master):  # split like the master, so that the new 16-bit
-            # params are what is gathered (stages 1-2), not fp32 updates
-            if same_structure(new_state.params, shardings.opt_state.master):
-                params = _constrain(new_state.params, shardings.opt_state.master)
-                new_state = new_state.replace(params=params)
+        new_state = new_state.replace(params=_split_like_master(new_state.params, shardings))
         return with_metrics(settle(state, new_state, cfg, micro), rest)
 
     def _managed_update(self, layout, shardings, micro, tx, grads, opt, params):
@@ -460,6 +455,16 @@ class ZeroStep:
 def _device(shardings):
     """`shardings`' splits, in device memory."""
     return jax.tree_util.tree_map(lambda s: NamedSharding(s.mesh, s.spec), shardings)
+
+
+def _split_like_master(params, shardings):
+    """The new 16-bit `params` split like the fp32 master weights (as stages 1-2 split the
+    optimizer state), so that what the next step gathers is the 16-bit copy, not fp32
+    updates; `params` as they are without a master."""
+    master = getattr(zero_opt_state(shardings), "master", ())
+    if not present(master) or not same_structure(params, master):
+        return params
+    return _constrain(params, master)
 
 
 def _constrain(tree, shardings):
