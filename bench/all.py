@@ -35,6 +35,7 @@ BENCHMARKS = {
     "recompute_units": [],
     "peers_comm": [],
     "unit_collectives": [],
+    "hlo_audit": [],
     "peers_speed": ["--rounds", "3"],
     "cpu_setup": ["--rounds", "2"],
     "peers_scaling": ["--budget", "40GB"],

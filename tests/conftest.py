@@ -43,6 +43,7 @@ QUICK_TESTS = (
     "test_parity.py::test_stage_matches_single_device_adamw[3-8]",
     "test_parity.py::test_parity_checks_fail_on_a_broken_reduction[2-no_mean-sgd_momentum]",
     "test_report.py::test_hlo_parser",
+    "test_audit.py::test_an_audit_reads_dependencies_loops_and_relayouts",
     "test_report.py::test_collectives_in_a_loop",
     "test_report.py::test_matmul_flops_count_each_loop",
     "test_zeropp.py::test_int8",

@@ -51,7 +51,7 @@ def _itemsize(dtype: str) -> float:
     return 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype)) / 8
 
 
-def _arrays_bytes(text: str):
+def arrays_bytes(text: str):
     """(dtype, bytes) of every array type in an HLO shape string."""
     return [
         (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dt)))
@@ -94,7 +94,7 @@ def collectives_in(line: str, num_devices: int, local: int) -> list[Collective]:
     kind = m.group("op")
     group = 2 if kind == "collective-permute" else len(groups[0])
     cross = any(len({i // local for i in g}) > 1 for g in groups)
-    results = _arrays_bytes(m.group("result"))
+    results = arrays_bytes(m.group("result"))
     if m.group("start") and kind == "all-gather":  # result tuple is (operands, outputs)
         results = results[len(results) // 2 :]
     # Read from the results: a reduce-scatter's full buffer is g times its result.
@@ -135,14 +135,15 @@ def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
     return computations, entry
 
 
-def executions(hlo_text: str) -> list[tuple[list[str], int]]:
-    """(a computation's instruction lines, times it runs per execution of the module), in the
-    order first reached from the entry: a while body once per iteration (`trip_count`), a
-    called computation (fusion, call, reduction) once per call; both branches of a conditional
-    count, an upper bound. A bare list of instructions is one computation run once."""
+def runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
+    """({computation: its instruction lines}, {computation: times it runs per execution of
+    the module}), the latter in the order first reached from the entry: a while body once per
+    iteration (`trip_count`), a called computation (fusion, call, reduction) once per call;
+    both branches of a conditional count, an upper bound. A module with no entry is one
+    computation, '', run once."""
     computations, entry = split_computations(hlo_text)
     if entry is None:
-        return [(hlo_text.splitlines(), 1)]
+        return {"": hlo_text.splitlines()}, {"": 1}
     counts: dict[str, int] = {}
 
     def walk(comp: str, times: int, seen: tuple) -> None:
@@ -159,6 +160,13 @@ def executions(hlo_text: str) -> list[tuple[list[str], int]]:
                         walk(callee, times, seen + (comp,))
 
     walk(entry, 1, ())
+    return computations, counts
+
+
+def executions(hlo_text: str) -> list[tuple[list[str], int]]:
+    """(a computation's instruction lines, times it runs per execution of the module), in the
+    order first reached from the entry (see `runs`)."""
+    computations, counts = runs(hlo_text)
     return [(computations.get(comp, []), times) for comp, times in counts.items()]
 
 

@@ -1,0 +1,185 @@
+"""The compute and communication tax of zerojax's step, read from its compiled program: for a
+model and each stage with default options, the matmul FLOPs against a plain `jax.jit` step's
+(every scanned layer counted, `zerojax.inspect.hlo.matmul_flops`), the collectives per step and
+per unit run, those under 64 KiB inside the layer loop, the all-gathers that wait for a
+computed value rather than only their stored shard, the bytes transposed or copied next to a
+collective against the bytes gathered (`zerojax.inspect.audit`), and the compiled peak.
+
+    python bench/hlo_audit.py [--models bench 125m] [--topology v5e:2x4]
+
+Models: `bench` is bench/jax_lm.py's LM (4 scanned layers, d_model 256, batch 64), `125m` and
+`tiny` the example LM's presets (batch 8 per device). Rows: stages 0-3 with defaults (units
+"auto": one per block), stage 3 with `recompute_units=False` and with attention and MLP as
+units (what bench/accelerator_compile.py and `zerojax plan` use). Without --topology the step
+is compiled for 8 simulated CPU devices (XLA's CPU pipeline combines no collectives); with it,
+by libtpu for that TPU slice, ahead of time (Python >= 3.12, `pip install 'zerojax[tpu]'`).
+A TPU's optimized module wraps each collective in start and done fusions: with --topology the
+collectives are the scheduled program's (`Report.scheduled`, after the TPU's combiners; small
+ones counted per step), the dependencies are read from the partitioned module and the
+re-layout column is left out (a TPU lays weights out in tiles, not by transposes next to a
+collective). A row whose program does not fit the chip's memory says so. Writes
+bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
+"""
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # a TPU slice is compiled for, not run on
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # only compiling: no TPU VM metadata lookups
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from benchlib import markdown_table, write_results  # noqa: E402
+from jax_lm import SHAPE, lm_config  # noqa: E402
+
+import zerojax as zj  # noqa: E402
+from zerojax.inspect.audit import SMALL, audit  # noqa: E402
+from zerojax.inspect.hlo import matmul_flops  # noqa: E402
+from zerojax.models.gpt import make_init, train_step  # noqa: E402
+from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
+
+ROWS = {  # name -> (zero_shard options, units per block)
+    **{f"stage {s}": (dict(stage=s), 1) for s in range(4)},
+    "stage 3, recompute_units=False": (dict(stage=3, recompute_units=False), 1),
+    "stage 3, attention + MLP units": (dict(stage=3, units=("Attention", "MLP")), 2),
+}
+
+
+def model(name: str):
+    """(LMConfig, global batch rows) of a model name."""
+    if name == "bench":
+        return lm_config(), SHAPE["batch"]
+    return LM_PRESETS[name], 8 * 8
+
+
+def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu: bool) -> dict:
+    """One contender's figures (see the module docstring). A TPU's optimized module wraps each
+    collective in start and done fusions: its collectives are read as scheduled
+    (`Report.scheduled`) and its dependencies from the partitioned module, before fusion."""
+    state = zero.eval_shape(init_fn, jax.random.key(0))
+    step = zero(train_step)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            rep = zero.report(step, state, batch, dump_to=os.path.join(tmp, "step"))
+        except jax.errors.JaxRuntimeError as e:  # a TPU compile that does not fit the HBM
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return {"does_not_fit": str(e).split("\n")[0]}
+        texts = {
+            kind: open(os.path.join(tmp, f"step.{kind}.hlo.txt")).read()
+            for kind in ("optimized", "partitioned")
+        }
+    found = audit(texts["partitioned" if tpu else "optimized"], zero.axis_size)
+    row = {
+        "flops_ratio": rep.matmul_flops * zero.axis_size / plain_flops,
+        "collectives": found.collectives,
+        "units_per_step": units_per_step if zero.config.uses_units else 0,
+        "small": found.small_in_loops,
+        # stages 1-2 gather the parameters an update computed, by design: only stage 3's
+        # gathers are a stored weight's
+        "gathers_not_from_storage": (
+            len(found.gathers_not_from_storage) if zero.config.shards_parameters else None
+        ),
+        "gathered_bytes": found.gathered_bytes,
+        "relayout_bytes": found.relayout_bytes,
+        "peak_bytes": rep.peak_bytes,
+    }
+    if tpu:
+        kinds = collections.Counter(s.collective.kind for s in rep.scheduled)
+        small = sum(s.collective.buffer_bytes < SMALL for s in rep.scheduled)
+        row |= {"collectives": dict(kinds), "small": small, "relayout_bytes": None}
+    return row
+
+
+def table(rows: dict, where: str, tpu: bool) -> str:
+    body = []
+    for (model, name), r in rows.items():
+        if "does_not_fit" in r:
+            body.append([model, name, "-", r["does_not_fit"], *["-"] * 6])
+            continue
+        n = sum(r["collectives"].values())
+        per_unit = f"{n / r['units_per_step']:.1f}" if r["units_per_step"] else "-"
+        body.append(
+            [
+                model,
+                name,
+                f"{r['flops_ratio']:.3f}",
+                ", ".join(f"{c} {k}" for k, c in sorted(r["collectives"].items())) or "none",
+                r["units_per_step"] or "-",
+                per_unit,
+                r["small"],
+                "-" if r["gathers_not_from_storage"] is None else r["gathers_not_from_storage"],
+                "-"
+                if r["relayout_bytes"] is None
+                else f"{r['relayout_bytes'] / 2**20:.1f} / {r['gathered_bytes'] / 2**20:.1f}",
+                f"{r['peak_bytes'] / 2**20:.1f}",
+            ]
+        )
+    headers = [
+        "model",
+        f"zerojax ({where})",
+        "matmul FLOPs / plain jit",
+        "collectives per step",
+        "unit runs",
+        "collectives per unit run",
+        "under 64 KiB" + (" per step" if tpu else " in the loop"),
+        "gathers not from storage",
+        "MiB re-laid out / gathered",
+        "peak MiB",
+    ]
+    return markdown_table(headers, body)
+
+
+def measure(name: str, devices, where: str) -> dict:
+    """{(model, row): figures} of one model (see the module docstring)."""
+    cfg, rows = model(name)
+    init_fn = make_init(LM(cfg), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
+    batch = jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)
+    plain = jax.jit(train_step).lower(jax.eval_shape(init_fn, jax.random.key(0)), batch)
+    plain_flops = matmul_flops(plain.compile().as_text())  # one CPU device, the whole batch
+    print(f"{name}: {cfg.n_layers} layers, batch {rows}; {where}", file=sys.stderr)
+    results = {}
+    for row, (options, per_block) in ROWS.items():
+        zero = zj.zero_shard(mesh=zj.make_mesh(devices), **options)
+        units = cfg.n_layers * per_block
+        found = audit_row(
+            zero, init_fn, batch, plain_flops, units, tpu=devices[0].platform == "tpu"
+        )
+        results[(name, row)] = found
+        print(f"  {row}: {found}", file=sys.stderr)
+    return results
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", nargs="+", default=["bench", "125m"], choices=["bench", *LM_PRESETS])
+    p.add_argument("--topology", help="a TPU slice to compile for, e.g. v5e:2x4")
+    args = p.parse_args(argv)
+    try:
+        devices = zj.tpu_devices(args.topology) if args.topology else jax.devices()[:8]
+    except zj.ZeroError as e:  # no libtpu, or a topology it does not know
+        print(f"hlo_audit: {e}", file=sys.stderr)
+        return 2
+    where = f"{args.topology}, TPU compile" if args.topology else "8 CPU devices"
+    results = {}
+    for name in args.models:
+        results |= measure(name, devices, where)
+    md = table(results, where, bool(args.topology))
+    print(md)
+    write_results(
+        "hlo_audit_tpu" if args.topology else "hlo_audit",
+        {"where": where, "rows": [{"model": m, "row": r, **v} for (m, r), v in results.items()]},
+        markdown=md,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""`zerojax.inspect.audit` reads what a compiled step spends beside its math: on a module written
+here, which all-gathers come from storage, what is counted once per loop iteration and what is
+re-laid out next to a collective; on an LM compiled for 8 devices, the recomputation and the
+false dependencies that `recompute_units` and `prefetch` decide."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import zerojax as zj
+from zerojax.inspect.audit import audit
+from zerojax.inspect.hlo import matmul_flops
+from zerojax.models.gpt import make_init, train_step
+from zerojax.models.lm import LM, LMConfig
+
+GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
+# A two-iteration loop over a stacked weight `w` (invariant) carrying an activation `x`: one
+# gather of this layer's slice of `w` (from storage), one of that slice plus `x` (it waits for
+# the activation) whose result is transposed; in the entry, a gather of a matmul's result.
+MODULE = f"""HloModule audited
+
+%body (p: (s32[], f32[4,8], f32[2,4,8])) -> (s32[], f32[4,8], f32[2,4,8]) {{
+  %p = (s32[], f32[4,8], f32[2,4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{{1,0}} get-tuple-element(%p), index=1
+  %w = f32[2,4,8]{{2,1,0}} get-tuple-element(%p), index=2
+  %zero = s32[] constant(0)
+  %slice = f32[1,4,8]{{2,1,0}} dynamic-slice(%w, %i, %zero, %zero), dynamic_slice_sizes={{1,4,8}}
+  %shard = f32[4,8]{{1,0}} bitcast(%slice)
+  %stored = f32[32,8]{{1,0}} all-gather(%shard), {GROUP}
+  %anchored = f32[4,8]{{1,0}} add(%shard, %x)
+  %waiting = f32[32,8]{{1,0}} all-gather(%anchored), {GROUP}
+  %t = f32[8,32]{{1,0}} transpose(%waiting), dimensions={{1,0}}
+  %y = f32[4,32]{{1,0}} dot(%x, %t), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  %y2 = f32[4,8]{{1,0}} slice(%y), slice={{[0:4], [0:8]}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], f32[4,8], f32[2,4,8]) tuple(%next, %y2, %w)
+}}
+
+%cond (c: (s32[], f32[4,8], f32[2,4,8])) -> pred[] {{
+  %c = (s32[], f32[4,8], f32[2,4,8]) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(2)
+  ROOT %lt = pred[] compare(%ci, %n), direction=LT
+}}
+
+ENTRY %main (a: f32[4,8], b: f32[2,4,8]) -> f32[32,8] {{
+  %a = f32[4,8]{{1,0}} parameter(0)
+  %b = f32[2,4,8]{{2,1,0}} parameter(1)
+  %c0 = s32[] constant(0)
+  %init = (s32[], f32[4,8], f32[2,4,8]) tuple(%c0, %a, %b)
+  %loop = (s32[], f32[4,8], f32[2,4,8]) while(%init), condition=%cond, body=%body
+  %h = f32[4,8]{{1,0}} get-tuple-element(%loop), index=1
+  %sq = f32[4,4]{{1,0}} dot(%h, %h), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
+  %sq8 = f32[4,8]{{1,0}} pad(%sq, %c0), padding=0_0x0_4
+  ROOT %computed = f32[32,8]{{1,0}} all-gather(%sq8), {GROUP}
+}}
+"""
+
+
+def test_an_audit_reads_dependencies_loops_and_relayouts():
+    found = audit(MODULE, 8)
+    # the loop runs twice: its two gathers count twice, the entry's once
+    assert found.collectives == {"all-gather": 5}
+    assert found.gathered_bytes == 5 * 32 * 8 * 4
+    assert found.small_in_loops == 4  # 1 KiB each, inside the loop
+    # the slice of the invariant stack (its index a counter) comes from storage; the one
+    # plus the carried activation and the matmul's result do not
+    assert sorted(found.gathers_not_from_storage) == ["computed", "waiting"]
+    assert found.relayout_bytes == 2 * 8 * 32 * 4  # the transpose after `waiting`, twice
+
+
+CFG = LMConfig(vocab=64, d_model=64, n_layers=2, n_heads=2, d_ff=128, seq_len=16)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    init_fn = make_init(LM(CFG), optax.adamw(1e-3))
+    batch = jax.ShapeDtypeStruct((16, CFG.seq_len + 1), jnp.int32)
+    plain = jax.jit(train_step).lower(jax.eval_shape(init_fn, jax.random.key(0)), batch)
+    return init_fn, batch, matmul_flops(plain.compile().as_text())
+
+
+def _compiled(init_fn, batch, **options):
+    zero = zj.zero_shard(stage=3, units=("Attention", "MLP"), **options)
+    lowered = zero(train_step).lower(zero.eval_shape(init_fn, jax.random.key(0)), batch)
+    return lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("recompute, ratio", [(True, (1.1, 1.5)), (False, (0.99, 1.01))])
+def test_recomputing_units_is_seen_in_the_matmul_flops(lm, recompute, ratio):
+    # 8 devices' FLOPs against one device running the whole batch with a plain jax.jit step
+    init_fn, batch, plain = lm
+    text = _compiled(init_fn, batch, recompute_units=recompute)
+    assert ratio[0] <= matmul_flops(text) * 8 / plain <= ratio[1]
+
+
+def test_gathers_anchored_on_activations_are_found(lm):
+    init_fn, batch, _ = lm
+    one = audit(_compiled(init_fn, batch, prefetch=1), 8)
+    none = audit(_compiled(init_fn, batch, prefetch=0), 8)
+    # per direction the scanned body gathers attention's 4 split weights (q, k, v, out) and
+    # the MLP's 3 (gate, up, down). prefetch=0: each unit's gathers wait for its input
+    # (forward) or cotangent (backward), all 14; prefetch=1: the body's first unit is free
+    # (forward attention, backward MLP), the other waits: the MLP's 3 for attention's
+    # output, attention's 4 for the MLP's cotangent
+    assert len(none.gathers_not_from_storage) == 2 * (4 + 3)
+    assert len(one.gathers_not_from_storage) == 3 + 4

@@ -1,0 +1,209 @@
+"""What a compiled step spends beside its math, read from its optimized HLO text: how many
+collectives it runs (after the compiler combined them) and how small they are, which
+all-gathers wait for something other than the stored shard they gather (a false dependency
+keeps the scheduler from issuing them a unit ahead), and how many bytes are transposed or
+copied next to a collective (a weight split on a dimension other than its first is re-laid
+out before and after every gather and reduce-scatter).
+
+Every count is per execution of the module: an instruction in a scanned loop's body counts
+once per iteration (`hlo.runs`). An all-gather's operand is followed back through every
+instruction that computes it; it "comes from storage" when that ancestry reaches only the
+step's arguments, constants, loop-invariant elements of a loop's state and integer scalars
+(loop counters), with no matmul, indexing gather or carried floating-point value on the way.
+At stage 3 every all-gather is a weight's; at stages 1-2 the parameters an update computed
+are gathered after it, which by this reading do not come from storage either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from zerojax.inspect.hlo import arrays_bytes, collectives_in, runs
+
+SMALL = 64 * 1024  # bytes: a collective below this mostly pays its latency
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-#]+)\s*=\s*(.*)$")
+_CALLEE = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
+_INDEX = re.compile(r"index=(\d+)")
+_PARAMETER = re.compile(r"parameter\((\d+)\)")
+COMPUTES = frozenset({"dot", "convolution", "gather", "scatter", "reduce-window"})
+RELAYOUTS = frozenset({"transpose", "copy"})
+GATHERS = frozenset({"all-gather", "all-gather-start"})
+REDUCTIONS = frozenset({"reduce-scatter", "all-reduce", "all-reduce-start", "all-to-all"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One line of an HLO computation: what it defines, from what."""
+
+    name: str
+    result: str  # its result type, as printed
+    opcode: str
+    operands: tuple[str, ...]
+    line: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in arrays_bytes(self.result))
+
+    @property
+    def callee(self) -> str | None:
+        m = _CALLEE.search(self.line)
+        return m.group(1) if m else None
+
+
+def _number(pattern: re.Pattern, line: str) -> int:
+    """The number `pattern` reads from `line` (a tuple index, a parameter's), -1 if none."""
+    m = pattern.search(line)
+    return int(m.group(1)) if m else -1
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one at `text[start]`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def _parse(line: str) -> Instruction | None:
+    """One HLO instruction line: `%name = type opcode(operands), attributes`."""
+    m = _INSTRUCTION.match(line)
+    if not m:
+        return None
+    name, rhs = m.groups()
+    end = _closing(rhs, 0) + 1 if rhs.startswith("(") else rhs.find(" ")  # a tuple, an array
+    result, rest = rhs[:end], rhs[end:].lstrip()
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    args = rest[op.end() : _closing(rest, op.end() - 1)]
+    operands = tuple(re.findall(r"%([\w.\-#]+)", args))
+    return Instruction(name, result, op.group(1), operands, line)
+
+
+@dataclasses.dataclass(frozen=True)
+class Audit:
+    """A compiled step's collectives and what surrounds them (see the module docstring)."""
+
+    collectives: dict[str, int]  # kind: executions per step
+    collective_bytes: dict[str, int]  # kind: buffer bytes per step
+    small_in_loops: int  # executions per step of collectives under SMALL inside a loop body
+    gathers_not_from_storage: tuple[str, ...]  # all-gathers waiting for a computed value
+    gathered_bytes: int  # all-gather results, per step
+    relayout_bytes: int  # transposes and copies feeding or fed by a collective, per step
+
+
+class _Module:
+    """The instructions of an HLO module by computation, with how often each runs."""
+
+    def __init__(self, hlo_text: str):
+        lines, self.times = runs(hlo_text)
+        self.comps = {
+            comp: {i.name: i for i in map(_parse, body) if i is not None}
+            for comp, body in lines.items()
+        }
+        self.caller: dict[str, tuple[str, Instruction]] = {}  # body or callee: (comp, instr)
+        self.users: dict[tuple[str, str], list[Instruction]] = {}
+        for comp, instrs in self.comps.items():
+            for instr in instrs.values():
+                if instr.callee and instr.opcode in ("while", "call"):
+                    self.caller[instr.callee] = (comp, instr)
+                for operand in instr.operands:
+                    self.users.setdefault((comp, operand), []).append(instr)
+
+    def opcodes(self, instr: Instruction) -> set[str]:
+        """What `instr` computes: its opcode, or every opcode of the computation it fuses."""
+        if instr.opcode in ("fusion", "while") and instr.callee in self.comps:
+            inner = self.comps[instr.callee].values()
+            return {op for i in inner for op in self.opcodes(i)}
+        return {instr.opcode}
+
+    def invariant(self, body: str, index: int) -> bool:
+        """Whether a loop body passes element `index` of its state through unchanged."""
+        root = [i for i in self.comps[body].values() if i.line.lstrip().startswith("ROOT")]
+        if not root or root[0].opcode != "tuple" or index >= len(root[0].operands):
+            return False
+        passed = self.comps[body].get(root[0].operands[index])
+        return (
+            passed is not None
+            and passed.opcode == "get-tuple-element"
+            and self.comps[body].get(passed.operands[0], passed).opcode == "parameter"
+            and _number(_INDEX, passed.line) == index
+        )
+
+    def computed(self, comp: str, name: str, seen: set | None = None) -> bool:
+        """Whether `name` in `comp` depends on a matmul, an indexing gather or a carried
+        floating-point loop value (see the module docstring)."""
+        seen = set() if seen is None else seen
+        if (comp, name) in seen or name not in self.comps.get(comp, {}):
+            return False
+        seen.add((comp, name))
+        instr = self.comps[comp][name]
+        if self.opcodes(instr) & COMPUTES:
+            return True
+        if instr.opcode == "get-tuple-element":
+            source = self.comps[comp].get(instr.operands[0])
+            if source is not None and source.opcode == "parameter" and comp in self.caller:
+                return self._through_caller(comp, instr, seen)
+        if instr.opcode == "parameter" and comp in self.caller:
+            outer, call = self.caller[comp]
+            if call.opcode == "call":
+                k = _number(_PARAMETER, instr.line)
+                return 0 <= k < len(call.operands) and self.computed(outer, call.operands[k], seen)
+        return any(self.computed(comp, operand, seen) for operand in instr.operands)
+
+    def _through_caller(self, body: str, element: Instruction, seen: set) -> bool:
+        """A loop body's state element: invariant, it is what the loop was given; carried,
+        a floating-point value is computed by the loop (an integer scalar is its counter)."""
+        outer, loop = self.caller[body]
+        index = _number(_INDEX, element.line)
+        if loop.opcode != "while":
+            return self.computed(outer, loop.operands[0], seen)
+        if not self.invariant(body, index):
+            return not re.fullmatch(r"[su]\d+\[\](\{.*\})?", element.result)
+        init = self.comps[outer].get(loop.operands[0])
+        if init is not None and init.opcode == "tuple" and index < len(init.operands):
+            return self.computed(outer, init.operands[index], seen)
+        return self.computed(outer, loop.operands[0], seen)
+
+    def relayout(self, instr: Instruction) -> int:
+        """Bytes of `instr` when it only moves data (a transpose or copy, alone or fused)."""
+        ops = self.opcodes(instr)
+        return instr.bytes if ops & RELAYOUTS and not ops & COMPUTES else 0
+
+
+def audit(hlo_text: str, num_devices: int) -> Audit:
+    """The `Audit` of a compiled HLO module (the optimized program, what the device runs:
+    `Report`'s `dump_to` writes it) partitioned over `num_devices` devices."""
+    module = _Module(hlo_text)
+    counts: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    small = relayout = 0
+    not_stored = []
+    for comp, instrs in module.comps.items():
+        times = module.times.get(comp, 0)
+        for instr in instrs.values():
+            for c in collectives_in(instr.line, num_devices, num_devices):
+                counts[c.kind] = counts.get(c.kind, 0) + times
+                sizes[c.kind] = sizes.get(c.kind, 0) + c.buffer_bytes * times
+                small += times if times > 1 and c.buffer_bytes < SMALL else 0
+            if instr.opcode not in GATHERS | REDUCTIONS:
+                continue
+            around = [module.comps[comp].get(o) for o in instr.operands[:1]]
+            for user in module.users.get((comp, instr.name), []):  # an async one's: its -done's
+                done = user.opcode.endswith("-done")
+                around += module.users.get((comp, user.name), []) if done else [user]
+            relayout += times * sum(module.relayout(i) for i in around if i is not None)
+            if instr.opcode in GATHERS and any(module.computed(comp, o) for o in instr.operands):
+                not_stored.append(instr.name)
+    return Audit(
+        collectives=counts,
+        collective_bytes=sizes,
+        small_in_loops=small,
+        gathers_not_from_storage=tuple(not_stored),
+        gathered_bytes=sizes.get("all-gather", 0),
+        relayout_bytes=relayout,
+    )
