@@ -2,6 +2,8 @@
 writes one, importing nothing from zerojax, gathered block by block through `units=` (or
 'auto'). Slope = (peak(L=8) - peak(L=4)) / 4, the compiled peak's growth per added layer."""
 
+import math
+import re
 import warnings
 
 import flax.linen as nn
@@ -14,6 +16,7 @@ from flax.training import train_state
 
 import zerojax as zj
 from tests.common import assert_trees_close, slow
+from zerojax.inspect import hlo
 
 
 class Block(nn.Module):
@@ -352,3 +355,29 @@ def test_a_step_reports_the_variant_it_last_ran():
     assert step.units == () and step.used_explicit_collectives is False
     state = step(state, tokens)  # compiled already: not traced again
     assert step.units == ("block_0", "block_1") and step.used_explicit_collectives
+
+
+def test_a_stacks_small_leaves_are_gathered_once_per_step():
+    """persistence_threshold judged per layer in a scanned stack: its LayerNorms and its
+    64-wide biases, split at rest, are gathered once per step rather than once per layer
+    each way; the loop gathers only the kernels, and training matches one device."""
+    model, seq = Transformer(4, True), 16
+    data = [
+        np.random.default_rng(i).integers(0, 128, (16, seq + 1), dtype=np.int32) for i in range(2)
+    ]
+    state = jax.device_put(init_fn(model, seq)(jax.random.key(0)), jax.devices()[0])
+    zero = zj.zero_shard(stage=3, units="Block", persistence_threshold=128)
+    assert zero.layout(state).params["blocks/LayerNorm_0/scale"].split_dim is not None
+    got, want, zstep = train_both(zero, step, state, data)
+    assert_trees_close(got.params, want.params)
+    assert_trees_close(got.opt_state, want.opt_state)
+    text = zstep.lower(got, data[0]).compile().as_text()
+    computations, runs = hlo.runs(text)
+    in_loop = [
+        math.prod(int(d) for d in m.group(1).split(",") if d)
+        for comp, times in runs.items()
+        if times > 1
+        for line in computations[comp]
+        if (m := re.search(r"= \w+\[([\d,]*)\]\S* all-gather\(", line))
+    ]
+    assert in_loop and min(in_loop) >= 128, sorted(in_loop)

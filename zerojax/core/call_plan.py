@@ -11,6 +11,7 @@ batch. `zerojax.engine.hook` runs a `CallPlan`; tests build one for any model's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 import jax
@@ -62,8 +63,10 @@ class CallPlan:
 
     @property
     def split_dims(self) -> dict:
-        """{parameter path: the dim it is split on} for the gathers of a unit."""
-        return {x.path: x.split_dim for x in self.leaves if x.role != OTHER}
+        """{parameter path: the dim a unit gathers it on}, None for a leaf it receives whole."""
+        return {
+            x.path: x.split_dim if x.role == UNIT else None for x in self.leaves if x.role != OTHER
+        }
 
     @property
     def stored_ndim(self) -> dict:
@@ -112,7 +115,6 @@ def plan_call(
     layers = {u: _layer_dims(leaves, u, params) for u, leaves in (unit_leaves or {}).items()}
     if not cfg.shards_parameters and not stacks_indexable:
         layers = {u: dims for u, dims in layers.items() if not dims}
-    prefixes = tuple(u + "/" for u in layers)
     dtype = compute_dtype(cfg)
     leaves = []
     for p, x in flat:
@@ -121,10 +123,13 @@ def plan_call(
             continue
         path, plan = path_str(p[1:]), layout.param_plan(p[1:], x)
         spec, grad = (P(), P()) if plan is None else (plan.spec, plan.grad_spec or P())
+        unit = next((u for u in layers if path.startswith(u + "/")), None)
+        if unit is not None and plan is not None and _small_layers(x, layers[unit], cfg):
+            unit = None  # gathered once per step with the whole parameters, not per layer
         leaves.append(
             LeafCall(
                 path,
-                UNIT if path.startswith(prefixes) else WHOLE,
+                WHOLE if unit is None else UNIT,
                 spec,
                 grad,
                 None if plan is None else plan.split_dim,
@@ -141,6 +146,14 @@ def plan_call(
         )
     in_place = bool(layers) and not cfg.shards_parameters
     return CallPlan(tuple(leaves), layers, in_place, tuple(batch))
+
+
+def _small_layers(leaf, layer_dims: tuple, cfg: ZeroConfig) -> bool:
+    """Whether a stage-3 unit's stacked `leaf`, split at rest, is below the persistence
+    threshold layer by layer: gathering it once per step beats a small gather per layer."""
+    if not (cfg.shards_parameters and layer_dims):
+        return False
+    return math.prod(np.shape(leaf)) // math.prod(layer_dims) < cfg.persistence_threshold
 
 
 def _layer_dims(leaves: tuple, unit: str, stored: dict) -> tuple:

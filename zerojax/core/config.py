@@ -38,7 +38,10 @@ class ZeroConfig:
     persistence_threshold: int = 1024
     """Leaves with fewer elements than this stay replicated (DeepSpeed's
     `stage3_param_persistence_threshold`): sharding a 4 KiB leaf saves almost nothing and costs
-    one collective per step. 0 shards every leaf that has a divisible dimension."""
+    one collective per step. 0 shards every leaf that has a divisible dimension. A scanned
+    stack's leaf is judged per layer when its unit runs: one whose layer is below this (a
+    norm's scale) stays split at rest but is gathered once per step, whole, instead of one
+    small gather per layer each way."""
 
     rules: tuple = ()
     """User rules, checked before the default: `(regex, dim)` pairs matched with `re.search`
