@@ -107,6 +107,7 @@ class _Module:
         }
         self.caller: dict[str, tuple[str, Instruction]] = {}  # body or callee: (comp, instr)
         self.users: dict[tuple[str, str], list[Instruction]] = {}
+        self._fused: dict[str, set[str]] = {}  # fused computation: the opcodes it runs
         for comp, instrs in self.comps.items():
             for instr in instrs.values():
                 if instr.callee and instr.opcode in ("while", "call"):
@@ -115,11 +116,16 @@ class _Module:
                     self.users.setdefault((comp, operand), []).append(instr)
 
     def opcodes(self, instr: Instruction) -> set[str]:
-        """What `instr` computes: its opcode, or every opcode of the computation it fuses."""
-        if instr.opcode in ("fusion", "while") and instr.callee in self.comps:
-            inner = self.comps[instr.callee].values()
-            return {op for i in inner for op in self.opcodes(i)}
-        return {instr.opcode}
+        """What `instr` computes: its opcode, or every opcode of the computation it fuses
+        (read once per computation: every walk back from a collective asks again)."""
+        callee = instr.callee
+        if instr.opcode not in ("fusion", "while") or callee not in self.comps:
+            return {instr.opcode}
+        if callee not in self._fused:
+            self._fused[callee] = {
+                op for i in self.comps[callee].values() for op in self.opcodes(i)
+            }
+        return self._fused[callee]
 
     def invariant(self, body: str, index: int) -> bool:
         """Whether a loop body passes element `index` of its state through unchanged."""
