@@ -9,7 +9,7 @@ collective against the bytes gathered (`zerojax.inspect.audit`), and the compile
 
 Models: `bench` is bench/jax_lm.py's LM (4 scanned layers, d_model 256, batch 64), `125m` and
 `tiny` the example LM's presets (batch 8 per device). Rows: stages 0-3 with defaults (units
-"auto": one per block), stage 3 with `recompute_units=False` and with attention and MLP as
+"auto": one per block), stage 3 with `recompute_units=True` and with attention and MLP as
 units (what bench/accelerator_compile.py and `zerojax plan` use). Without --topology the step
 is compiled for 8 simulated CPU devices (XLA's CPU pipeline combines no collectives); with it,
 by libtpu for that TPU slice, ahead of time (Python >= 3.12, `pip install 'zerojax[tpu]'`).
@@ -47,7 +47,7 @@ from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 ROWS = {  # name -> (zero_shard options, units per block)
     **{f"stage {s}": (dict(stage=s), 1) for s in range(4)},
-    "stage 3, recompute_units=False": (dict(stage=3, recompute_units=False), 1),
+    "stage 3, recompute_units=True": (dict(stage=3, recompute_units=True), 1),
     "stage 3, attention + MLP units": (dict(stage=3, units=("Attention", "MLP")), 2),
 }
 
@@ -80,7 +80,7 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
     row = {
         "flops_ratio": rep.matmul_flops * zero.axis_size / plain_flops,
         "collectives": found.collectives,
-        "units_per_step": units_per_step if zero.config.uses_units else 0,
+        "units_per_step": units_per_step if step.units else 0,
         "small": found.small_in_loops,
         # stages 1-2 gather the parameters an update computed, by design: only stage 3's
         # gathers are a stored weight's

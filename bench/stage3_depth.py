@@ -1,7 +1,8 @@
 """Does stage 3's compiled peak grow with depth? Peak (arguments + temporaries) per device at
 L = 4 and L = 8 layers, for stage 0, zerojax stage 3 (attention and MLP as units, named with
-`units=` from outside the model; prefetch 1, the default, and prefetch 0; and the default
-units='auto', one unit per block) and a plain
+`units=` from outside the model; prefetch 1, the default, and prefetch 0; recomputing each
+unit in backward, `recompute_units=True`; and the default units='auto', one unit per block)
+and a plain
 `jax.jit` FSDP baseline (parameters sharded, XLA inserts the gathers: explicit_collectives
 off), scanned and unrolled, with activations negligible (one 8-token sequence per device).
 
@@ -34,6 +35,7 @@ UNITS = ("Attention", "MLP")
 CONTENDERS = {
     "stage 0": dict(stage=0),
     "stage 3": dict(stage=3, units=UNITS),
+    "stage 3 recompute": dict(stage=3, units=UNITS, recompute_units=True),
     "stage 3 prefetch 0": dict(stage=3, prefetch=0, units=UNITS),
     "stage 3 units auto": dict(stage=3),
     "jit FSDP": dict(stage=3, explicit_collectives=False),

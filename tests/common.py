@@ -1,6 +1,8 @@
 """A small Flax transformer, its unchanged train step, and plain single-device training."""
 
+import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +196,19 @@ def rounded_state(tx, dtype=jnp.bfloat16):
         return updates, cast(state, dtype)
 
     return optax.GradientTransformation(lambda p: cast(tx.init(p), dtype), update)
+
+
+def loop_collective_sizes(compiled_text: str, devices: int = 8) -> list[int]:
+    """The whole size (elements) of each all-gather and reduce-scatter inside a loop body of a
+    compiled module (a reduce-scatter's output is one of `devices` parts)."""
+    from zerojax.inspect import hlo
+
+    computations, runs = hlo.runs(compiled_text)
+    pattern = r"= \w+\[([\d,]*)\]\S* (?:all-gather|(reduce-scatter))\("
+    return [
+        math.prod(int(d) for d in m.group(1).split(",") if d) * (devices if m.group(2) else 1)
+        for comp, times in runs.items()
+        if times > 1
+        for line in computations[comp]
+        if (m := re.search(pattern, line))
+    ]

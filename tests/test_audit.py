@@ -1,7 +1,7 @@
 """`zerojax.inspect.audit` reads what a compiled step spends beside its math: on a module written
 here, which all-gathers come from storage, what is counted once per loop iteration and what is
-re-laid out next to a collective; on an LM compiled for 8 devices, the recomputation and the
-false dependencies that `recompute_units` and `prefetch` decide."""
+re-laid out next to a collective; on an LM compiled for 8 devices, that only the recomputation
+asked for adds matmuls, and the false dependencies `prefetch` decides."""
 
 import jax
 import jax.numpy as jnp
@@ -84,27 +84,33 @@ def lm():
 
 
 def _compiled(init_fn, batch, **options):
-    zero = zj.zero_shard(stage=3, units=("Attention", "MLP"), **options)
+    zero = zj.zero_shard(**options)
     lowered = zero(train_step).lower(zero.eval_shape(init_fn, jax.random.key(0)), batch)
     return lowered.compile().as_text()
 
 
-@pytest.mark.parametrize("recompute, ratio", [(True, (1.1, 1.5)), (False, (0.99, 1.01))])
-def test_recomputing_units_is_seen_in_the_matmul_flops(lm, recompute, ratio):
-    # 8 devices' FLOPs against one device running the whole batch with a plain jax.jit step
+@pytest.mark.parametrize(
+    "options, ratio",
+    [(dict(stage=s), (0.99, 1.01)) for s in range(4)]
+    + [(dict(stage=s, recompute_units=True), (1.1, 1.5)) for s in (1, 3)],
+)
+def test_only_recomputation_asked_for_adds_matmul_flops(lm, options, ratio):
+    # 8 devices' FLOPs against one device running the whole batch with a plain jax.jit step:
+    # with default options every stage computes the plain step's matmuls, no more
     init_fn, batch, plain = lm
-    text = _compiled(init_fn, batch, recompute_units=recompute)
+    text = _compiled(init_fn, batch, **options)
     assert ratio[0] <= matmul_flops(text) * 8 / plain <= ratio[1]
 
 
-def test_gathers_anchored_on_activations_are_found(lm):
+def test_a_scanned_bodys_gathers_read_only_their_stored_shards(lm):
     init_fn, batch, _ = lm
-    one = audit(_compiled(init_fn, batch, prefetch=1), 8)
-    none = audit(_compiled(init_fn, batch, prefetch=0), 8)
+    units = dict(stage=3, units=("Attention", "MLP"))
+    free = audit(_compiled(init_fn, batch, **units), 8)
+    waiting = audit(_compiled(init_fn, batch, prefetch=0, **units), 8)
     # per direction the scanned body gathers attention's 4 split weights (q, k, v, out) and
-    # the MLP's 3 (gate, up, down). prefetch=0: each unit's gathers wait for its input
-    # (forward) or cotangent (backward), all 14; prefetch=1: the body's first unit is free
-    # (forward attention, backward MLP), the other waits: the MLP's 3 for attention's
-    # output, attention's 4 for the MLP's cotangent
-    assert len(none.gathers_not_from_storage) == 2 * (4 + 3)
-    assert len(one.gathers_not_from_storage) == 3 + 4
+    # the MLP's 3 (gate, up, down). By default (prefetch=1) none waits for a computed value:
+    # each is free to run while the body's other unit computes. prefetch=0: each unit's
+    # gathers wait for its input (forward) or cotangent (backward), all 14
+    assert free.gathers_not_from_storage == ()
+    assert free.collectives["all-gather"] == waiting.collectives["all-gather"]
+    assert len(waiting.gathers_not_from_storage) == 2 * (4 + 3)

@@ -20,7 +20,7 @@ SAMPLES = {  # one value away from the default for each option the sweep sets
     "rules": ((r"Dense_1/kernel", None),),
     "prefetch": 0,
     "units": (),
-    "recompute_units": False,
+    "recompute_units": True,
     "keep_gathered": (r".*",),
     "unit_buffers": True,
     "explicit_collectives": False,

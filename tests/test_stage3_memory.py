@@ -23,15 +23,21 @@ def test_stage_3_peak_does_not_grow_with_depth(scan):
     assert slope("stage 3") <= 0.25 * slope("stage 0")
     # at 8 layers its peak is at most 0.3 of stage 0's
     assert p[("stage 3", 8)] <= 0.3 * p[("stage 0", 8)]
-    # it grows more slowly than XLA's own FSDP and is below it at 8 layers
+    # it grows more slowly than XLA's own FSDP (both keep their few activations)
     assert slope("stage 3") < slope("jit FSDP")
-    assert p[("stage 3", 8)] < p[("jit FSDP", 8)]
+    assert slope("stage 3 recompute") <= slope("stage 3")
+    attention, mlp = _module_bytes()
+    if scan:
+        # a scanned body's two gathers both read only their stored shard, so the body may
+        # hold attention's and the MLP's weights at once: at 8 layers within that of XLA's
+        assert p[("stage 3", 8)] < p[("jit FSDP", 8)] + attention + mlp
+    else:
+        assert p[("stage 3", 8)] < p[("jit FSDP", 8)]
     assert slope("stage 3 prefetch 0") <= 0.25 * slope("stage 0")
     if not scan:
         # prefetch 1 (default) keeps the next module's gathered weights alive early, prefetch 0
         # does not: the peaks differ by at least the smaller module's fp32 weights (attention)
         # and at most two of the larger (the MLP, with its gradient in backward)
-        attention, mlp = _module_bytes()
         assert attention <= p[("stage 3", 4)] - p[("stage 3 prefetch 0", 4)] <= 2 * mlp
 
 

@@ -1,5 +1,6 @@
 """One buffer per stage-3 unit (`unit_buffers=True`): a unit's split leaves cross the network as
-one array each way, one all-gather and one reduce-scatter, instead of one per leaf.
+one array each way, one all-gather and one reduce-scatter, instead of one per leaf; and at
+stages 1-2 one all-reduce bucket for a unit's unsplit leaves.
 
 Each leaf's shard is laid out with its split dim first and flattened, and the shards are
 concatenated into a `(1, S)` buffer; gathered over the n shard devices it is `(n, S)`, row i
@@ -46,5 +47,17 @@ def unpack_shards(buffer, shards: list) -> list:
         moved = jnp.moveaxis(x, d, 0).shape
         size = math.prod(moved)
         out.append(jnp.moveaxis(buffer[0, at : at + size].reshape(moved), 0, d))
+        at += size
+    return out
+
+
+def all_reduce_bucket(grads: list, reduce) -> list:
+    """`grads` summed over the devices as one flat buffer (DDP's gradient bucket): one
+    `reduce` (a psum) for all of them instead of one per leaf, each back in its shape."""
+    sizes = [g.size for g in grads]
+    summed = reduce(jnp.concatenate([g.reshape(-1) for g in grads]))
+    out, at = [], 0
+    for g, size in zip(grads, sizes, strict=True):
+        out.append(summed[at : at + size].reshape(g.shape))
         at += size
     return out

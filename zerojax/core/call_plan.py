@@ -62,6 +62,14 @@ class CallPlan:
         return [i for i, leaf in enumerate(self.leaves) if leaf.role == role]
 
     @property
+    def split_in_place(self) -> list[int]:
+        """Stages 1-2: positions of the unit leaves that enter split as their gradient is, and
+        so need the step's whole copy beside them."""
+        if not self.in_place:
+            return []
+        return [i for i in self.where(UNIT) if self.leaves[i].split_dim is not None]
+
+    @property
     def split_dims(self) -> dict:
         """{parameter path: the dim a unit gathers it on}, None for a leaf it receives whole."""
         return {
@@ -149,9 +157,10 @@ def plan_call(
 
 
 def _small_layers(leaf, layer_dims: tuple, cfg: ZeroConfig) -> bool:
-    """Whether a stage-3 unit's stacked `leaf`, split at rest, is below the persistence
-    threshold layer by layer: gathering it once per step beats a small gather per layer."""
-    if not (cfg.shards_parameters and layer_dims):
+    """Whether a unit's stacked `leaf`, split at rest, is below the persistence threshold
+    layer by layer: gathering it (stage 3) and reducing its gradient (stages 1-3) once per
+    step beats a small collective per layer."""
+    if not layer_dims:
         return False
     return math.prod(np.shape(leaf)) // math.prod(layer_dims) < cfg.persistence_threshold
 

@@ -40,8 +40,8 @@ class ZeroConfig:
     `stage3_param_persistence_threshold`): sharding a 4 KiB leaf saves almost nothing and costs
     one collective per step. 0 shards every leaf that has a divisible dimension. A scanned
     stack's leaf is judged per layer when its unit runs: one whose layer is below this (a
-    norm's scale) stays split at rest but is gathered once per step, whole, instead of one
-    small gather per layer each way."""
+    norm's scale) stays split at rest but is gathered once per step, whole, and its gradient
+    reduced once, instead of one small collective per layer each way."""
 
     rules: tuple = ()
     """User rules, checked before the default: `(regex, dim)` pairs matched with `re.search`
@@ -61,9 +61,9 @@ class ZeroConfig:
     (0 or 1). 1 lets the next unit's gather run while this one computes, at the cost of one
     more unit of gathered weights alive (DeepSpeed prefetches by bucket size; here by unit).
     0 gathers each unit only once its input exists. Unrolled stacks get this from a data
-    dependency on the previous unit's input; in a scanned body (one traced loop body) the
-    first unit's gather is left to XLA's collective pipeliner on GPU (set by
-    zerojax.core.xla_flags) and later ones wait for their input."""
+    dependency on the previous unit's input; in a scanned body (one traced loop body) every
+    gather depends only on its stored shard, left to XLA's scheduler and, across iterations,
+    to its collective pipeliner on GPU (set by zerojax.core.xla_flags)."""
 
     units: str | tuple[str, ...] = "auto"
     r"""Stage 3: the modules whose parameters are gathered only while they run, chosen from
@@ -77,12 +77,14 @@ class ZeroConfig:
     scanned stack's gradient is never whole; NNX `nnx.scan` stacks excepted, reduced at the
     end of backward); stage 0 ignores it (like prefetch)."""
 
-    recompute_units: bool = True
-    """Stages 1-3 units: True, backward recomputes a unit's forward from its saved input (the
-    least memory: a unit's activations exist only while it runs); False, forward saves the
-    unit's activations and backward only re-gathers its weights (DeepSpeed without activation
-    checkpointing: no recomputation, the activations of every unit alive until backward).
-    Either way the gathered weights are never kept between forward and backward."""
+    recompute_units: bool = False
+    """Stages 1-3 units: False keeps each unit's activations from forward to backward, which
+    only re-gathers its weights, so the step computes the plain step's matmuls (DeepSpeed and
+    FSDP without activation checkpointing). True, backward recomputes a unit's
+    forward from its saved input: activation checkpointing per unit, the least memory (a
+    unit's activations exist only while it runs) for one more forward's FLOPs; `nn.remat` or
+    `nnx.remat` in the model does the same. Either way the gathered weights are never kept
+    between forward and backward."""
 
     keep_gathered: str | tuple[str, ...] = ()
     """Stage 3: regexes (matched whole) of unit paths whose gathered weights stay alive from
@@ -453,12 +455,6 @@ class ZeroConfig:
     def shards_gradients(self) -> bool:
         """Stage >= 2: gradients are reduce-scattered to the slice each device updates."""
         return self.stage >= 2
-
-    @property
-    def reduces_per_unit(self) -> bool:
-        """Stages 1-2: each unit's gradient is reduce-scattered as backward leaves it (the
-        parameters stay whole, so nothing is gathered)."""
-        return self.stage in (1, 2)
 
     @property
     def uses_units(self) -> bool:

@@ -168,7 +168,7 @@ class Runner:
         shards = tuple(leaves[i] for i in units)
         wholes = tuple(  # stages 1-2: the unit's whole weights, beside its split gradient
             jax.lax.stop_gradient(to_compute(leaves[i], plan.leaves[i].compute_dtype))
-            for i in (units if plan.in_place else ())
+            for i in plan.split_in_place
         )
         others = tuple(leaves[i] for i in plan.where(OTHER))
         batch = P(comm.data_axis)
@@ -176,7 +176,7 @@ class Runner:
         in_specs = (
             tuple(batch for _ in whole),
             pick(units, "grad" if plan.in_place else "store"),
-            pick(units, "store") if plan.in_place else (),
+            pick(plan.split_in_place, "store"),
             P(),
             P(),
             tuple(batch if b else P() for b in plan.batch_args),
@@ -209,7 +209,7 @@ class Runner:
             # cotangent is built, or all-reduced, for the whole weights
             whole = None
             if plan.in_place:
-                paths = [plan.leaves[i].path for i in plan.where(UNIT)]
+                paths = [plan.leaves[i].path for i in plan.split_in_place]
                 whole = dict(zip(paths, jax.lax.stop_gradient(wholes), strict=True))
             ctx = self.gather_context(scale, whole)
         extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}

@@ -1,24 +1,29 @@
-"""Stage-3 units: a module's parameters exist whole only while it runs.
+"""Units: a module's parameters exist whole only while it runs (stage 3), and its gradient is
+reduced as soon as backward leaves it (stages 1-3).
 
 Which modules are units is decided in `zerojax.flax.units`; this module runs one.
 Inside a zerojax stage-3 step a unit receives its parameters as this device's shards and runs
 through `layer_call`, a custom VJP: forward all-gathers the weights, runs the layer and keeps
-only the shards and the layer input; backward all-gathers the weights again, recomputes the
-layer, reduce-scatters the weight gradient at once and drops the gathered copy. With
-`recompute_units=False` forward keeps the layer's activations (autodiff's residuals less the
-weights) and backward only re-gathers. Each gather is made to depend on the layer's input
-(forward) or cotangent (backward), so XLA cannot issue them all up front, and the backward
-gather cannot be merged with the forward one. With `prefetch=1` an unrolled layer's gather
-depends instead on the previous gathered layer's input (cotangent in backward), so it can run
-while that layer computes. Inside a scanned loop body the first gathered module has no anchor
-(XLA's collective pipeliner, on GPU, may move the next iteration's gather into the current one)
-and the modules after it in the body wait for their own input, so the body holds one module's
-weights at a time.
-With `offload_activations`, the one activation a layer saves for backward, its input, is kept
-in pinned host memory until its backward needs it. ZeRO++: the gathers may move int8 blocks
-(qwZ) and the reduce-scatters quantized blocks (qgZ), see `comm.hierarchy`; with hpZ the layer
-also keeps its node-local secondary shard of the gathered weights, and backward re-gathers
-from it inside the node instead of across all devices.
+its activations (autodiff's residuals less the weights and less re-layouts and casts, which
+backward redoes: no matmul is computed twice); backward all-gathers the weights again, runs the
+layer's backward, reduce-scatters the weight gradient at once and drops the gathered copy.
+With `recompute_units=True` forward keeps only the shards and the layer input and backward
+recomputes the layer (the least memory, a forward's FLOPs more). At stages 1-2 a unit runs on
+the step's whole weights and gathers nothing; its gradient is reduce-scattered as backward
+leaves it (its unsplit leaves' all-reduced as one bucket).
+Each gather is made to depend on the layer's input (forward) or cotangent (backward), so XLA
+cannot issue them all up front, and the backward gather cannot be merged with the forward one.
+With `prefetch=1` an unrolled layer's gather depends instead on the previous gathered layer's
+input (cotangent in backward), so it can run while that layer computes. Inside a scanned loop
+body no gather has an anchor: each reads only its stored shard, so XLA's scheduler may run a
+module's gather while the body's earlier modules compute (and its collective pipeliner, on GPU,
+may move the next iteration's first gather into the current one); the body holds at most its
+own modules' weights.
+With `offload_activations`, the activations a layer saves for backward (its input alone when
+recomputing) are kept in pinned host memory until its backward needs them. ZeRO++: the gathers
+may move int8 blocks (qwZ) and the reduce-scatters quantized blocks (qgZ), see
+`comm.hierarchy`; with hpZ the layer also keeps its node-local secondary shard of the gathered
+weights, and backward re-gathers from it inside the node instead of across all devices.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
 from zerojax.comm.device_values import varying
-from zerojax.comm.flat import pack_full, pack_shards, unpack_full, unpack_shards
+from zerojax.comm.flat import (
+    all_reduce_bucket,
+    pack_full,
+    pack_shards,
+    unpack_full,
+    unpack_shards,
+)
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
     Comm,
@@ -46,7 +57,7 @@ from zerojax.comm.hierarchy import (
 )
 from zerojax.core.call_plan import compute_dtype, dtype_of
 from zerojax.core.config import ZeroConfig
-from zerojax.core.errors import warn
+from zerojax.core.rules import spec_names
 from zerojax.core.trace_scope import current, scoped
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
@@ -54,7 +65,7 @@ LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (s
 
 @dataclasses.dataclass
 class GatherContext:
-    """What a gathering module needs inside a stage-3 step's per-device body."""
+    """What a unit needs inside a step's per-device body."""
 
     comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
     config: ZeroConfig  # prefetch, recompute_units, keep_gathered, unit_buffers, offload_*
@@ -160,18 +171,22 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
         for p, x in jax.tree_util.tree_flatten_with_path(shards)[0]
     )
     whole, stacks = None, ctx.whole
-    if stacks is not None:  # stages 1-2: this call's slice of the step's whole weights
+    if stacks is not None:  # stages 1-2: the step's whole weights (stacks), with the layer
+        # index: sliced inside the unit, so backward keeps no per-layer copy of a stack (a
+        # leaf the call receives whole, such as a stack's small per-layer leaves: itself)
         whole = jax.tree_util.tree_map_with_path(
-            lambda p, x: _layer_slice(stacks[_full_path(prefix, p)], x, layer), shards
+            lambda p, x: stacks.get(_full_path(prefix, p), x), shards
         )
+        whole = (whole, layer)
     keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.config.keep_gathered)
     return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole, keep)
 
 
 def _layer_slice(stack, leaf, layer):
     """The slice of a whole stacked weight `stack` that layer `layer` (flat index over the
-    stack's leading dims, None when unstacked) of a unit whose leaf is `leaf` uses."""
-    if layer is None:
+    stack's leading dims, None when unstacked) of a unit whose leaf is `leaf` uses (`stack`
+    itself when it has no more dims than `leaf`)."""
+    if layer is None or stack.ndim == leaf.ndim:
         return stack
     rows = stack.reshape(-1, *stack.shape[stack.ndim - leaf.ndim :])
     return jax.lax.dynamic_index_in_dim(rows, layer.reshape(()), 0, keepdims=False)
@@ -227,17 +242,17 @@ def _depend(tree, scalar):
 def _anchor(ctx, direction: str, own, scanned: bool):
     """What a module's gather waits for (see the module docstring): its own input (prefetch=0),
     or with prefetch=1 the previous gathered module's input in the same trace (unrolled), or,
-    inside a scanned body, nothing for the body's first module (XLA's pipeliner may move its
-    gather into the previous iteration) and its own input for the modules after it (so a body
-    never holds two modules' weights). Records `own` for the next module in `direction`."""
+    inside a scanned body, nothing: each gather reads only its stored shard, free to run while
+    the body's earlier modules compute (or, moved by XLA's pipeliner, the previous iteration).
+    Records `own` for the next module in `direction`."""
     if ctx.config.prefetch == 0:
         return own
+    if scanned:
+        return None
     trace = current_trace()
     previous = ctx.anchors.get(direction)
     ctx.anchors[direction] = (trace, own)
     same_trace = previous is not None and previous[0] == trace
-    if scanned:
-        return own if same_trace else None
     return previous[1] if same_trace else own
 
 
@@ -272,27 +287,35 @@ def _groups(split: list, flat: list, ctx) -> list:
 
 
 def _per_device(shards, dims, ctx):
-    """Leaves a unit keeps whole (dim < 0) cast, in the reduce dtype, to per-device values, so
-    that autodiff sums their gradients over the devices (the transpose of this cast is that
-    sum) wherever the unit runs, a scan body included; split leaves become per-replica (MiCS)."""
+    """Leaves a stage-3 unit keeps whole (dim < 0) cast, in the reduce dtype, to per-device
+    values, so that autodiff sums their gradients over the devices (the transpose of this cast
+    is that sum) wherever the unit runs, a scan body included; split leaves become per-replica
+    (MiCS). At stages 1-2 whole leaves stay as they are: `_scatter` all-reduces their
+    gradients as one bucket."""
 
     def one(x, dim):
         if dim >= 0:
             return vary_over_replicas(x, ctx.comm)
-        if ctx.reduce_dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(ctx.reduce_dtype)
-        return varying(x, ctx.comm.data_axis)
+        if ctx.whole is not None:
+            return x
+        return varying(_in_reduce_dtype(x, ctx), ctx.comm.data_axis)
 
     return jax.tree_util.tree_map(one, shards, dims)
 
 
 def _scatter(grads, dims, shards, ctx, scale):
     """Split leaves' gradients reduce-scattered now (leaf by leaf, or with unit_buffers as one
-    buffer per dtype); whole leaves' left per device (summed by `_per_device`'s transpose)."""
+    buffer per dtype); whole leaves' all-reduced now as one bucket (stages 1-2) or left per
+    device (stage 3: summed by `_per_device`'s transpose)."""
     flat, tree = jax.tree_util.tree_flatten(grads)
     local = jax.tree_util.tree_leaves(shards)
     split = [(i, d) for i, d in enumerate(jax.tree_util.tree_leaves(dims)) if d >= 0]
     out = list(flat)
+    for bucket in _buckets(flat, local, dims, ctx):
+        reduce = lambda b: reduce_gradient(b, None, ctx.comm, None)
+        summed = all_reduce_bucket([_in_reduce_dtype(flat[i], ctx) for i in bucket], reduce)
+        for i, g in zip(bucket, summed, strict=True):
+            out[i] = g
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
     for group in _groups(split, flat, ctx):
         if len(group) == 1 and not ctx.config.unit_buffers:
@@ -305,6 +328,30 @@ def _scatter(grads, dims, shards, ctx, scale):
             out[i] = g
     out = [unscale(g, scale, x.dtype) for g, x in zip(out, local, strict=True)]
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _buckets(grads: list, local: list, dims, ctx) -> list:
+    """Stages 1-2: the positions of the whole leaves the unit received as one value for all
+    devices (not the step's per-device copies, which `device_copies` reduces), one list per
+    gradient dtype, each all-reduced as one bucket."""
+    if ctx.whole is None:
+        return []
+    axes = set(spec_names(ctx.comm.data_axis))
+    by_dtype: dict = {}
+    for i, d in enumerate(jax.tree_util.tree_leaves(dims)):
+        g = grads[i]
+        if d >= 0 or axes & set(jax.typeof(local[i]).mat.varying):
+            continue
+        if jnp.issubdtype(g.dtype, jnp.inexact):
+            by_dtype.setdefault(_in_reduce_dtype(g, ctx).dtype, []).append(i)
+    return list(by_dtype.values())
+
+
+def _in_reduce_dtype(g, ctx):
+    """A floating gradient in the dtype gradients are reduced in (the others as they are)."""
+    if ctx.reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
+        return g.astype(ctx.reduce_dtype)
+    return g
 
 
 def _secondary(params, dims, ctx) -> list:
@@ -340,42 +387,45 @@ def _weights(shards, dims, ctx, whole, wait):
     whole weights for split leaves and the leaf itself for whole ones."""
     if whole is None:
         return _gather(_depend(shards, wait), dims, ctx)
+    stacks, layer = whole
     # per device, as a gathered weight is: its gradient leaves the unit unreduced, for the
-    # reduce-scatter (an invariant weight's gradient would be all-reduced by autodiff first)
+    # reduce-scatter or the bucket's all-reduce (an invariant weight's gradient would be
+    # all-reduced by autodiff first)
     return jax.tree_util.tree_map(
-        lambda x, w, d: (
-            varying(w, ctx.comm.data_axis) if d >= 0 else to_compute(x, ctx.compute_dtype)
+        lambda x, w, d: varying(
+            _layer_slice(w, x, layer) if d >= 0 else to_compute(x, ctx.compute_dtype),
+            ctx.comm.data_axis,
         ),
         shards,
-        whole,
+        stacks,
         dims,
     )
+
+
+# re-layouts and casts: backward redoes them from what they read rather than keeping their
+# result, so a module that casts (`dtype=`) or reshapes its weights keeps no copy of them
+_REDONE_IN_BACKWARD = frozenset(
+    ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy")
+)
+
+
+def _saved_in_forward(primitive, *_, **__) -> bool:
+    """The `jax.checkpoint` policy of a unit that keeps its activations: every value but a
+    re-layout or cast (no matmul is ever redone)."""
+    return primitive.name not in _REDONE_IN_BACKWARD
 
 
 def _forward_saving_activations(apply, params, extra, args, kwargs):
     """(outputs, (treedef, slots, saved)): the unit's forward with autodiff's residuals for its
     backward, less its weights (`slots[i]`: the index of the weight residual i is, or None for
-    an activation kept in `saved`), which backward gathers again rather than keep."""
-    out, vjp, state = jax.vjp(lambda p, a: apply(p, extra, a, kwargs), params, args, has_aux=True)
+    an activation kept in `saved`), which backward gathers again rather than keep. A value
+    computed from the weights (a scaled weight, a merged LoRA update) is kept like any other."""
+    run = jax.checkpoint(lambda p, a: apply(p, extra, a, kwargs), policy=_saved_in_forward)
+    out, vjp, state = jax.vjp(run, params, args, has_aux=True)
     residuals, treedef = jax.tree_util.tree_flatten(vjp)
     position = {id(w): i for i, w in enumerate(jax.tree_util.tree_leaves(params))}
     slots = [position.get(id(r)) for r in residuals]
     saved = [r for r, s in zip(residuals, slots, strict=True) if s is None]
-    shapes = {(w.shape, w.dtype) for w in jax.tree_util.tree_leaves(params) if w.ndim >= 2}
-    copies = [
-        r
-        for r in saved
-        if r.ndim >= 2
-        and (r.shape, r.dtype) not in shapes
-        and any(r.shape == shape for shape, _ in shapes)
-    ]
-    if copies:
-        warn(
-            f"recompute_units=False: a unit keeps a {copies[0].dtype} copy of a "
-            f"{copies[0].shape} weight between forward and backward (its module casts its "
-            "parameters, e.g. a `dtype=` argument), so that weight stays gathered; set the "
-            "module's param_dtype to the compute dtype, or keep recompute_units=True."
-        )
     return (out, state), (treedef, slots, saved)
 
 
