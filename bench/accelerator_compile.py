@@ -17,7 +17,7 @@ kind, the bytes one chip sends per step, and of those the bytes sent while a mat
 (overlapped) or with nothing beside them (exposed), and the matmul FLOPs per chip with every
 scanned layer counted (`zerojax.inspect.hlo.matmul_flops`, read from the partitioned module).
 Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
-stage 3 with whole blocks as units and with `recompute_units=False`, MaxText (its FSDP rules,
+stage 3 with whole blocks as units and with `recompute_units=True`, MaxText (its FSDP rules,
 `remat_policy=full`), and the stage-3 shardings with `explicit_collectives=False`, where XLA's
 partitioner places every gather and reduction itself. Writes
 bench/results/accelerator_compile.json and .md.
@@ -48,9 +48,7 @@ from zerojax.models.lm import LM  # noqa: E402
 CONTENDERS = {  # name -> zero_shard options
     **{f"zerojax stage {s}": dict(stage=s, units=("Attention", "MLP")) for s in range(4)},
     "zerojax stage 3, block units": dict(stage=3, units=("Block",)),
-    "zerojax stage 3, no recompute": dict(
-        stage=3, units=("Attention", "MLP"), recompute_units=False
-    ),
+    "zerojax stage 3, recompute": dict(stage=3, units=("Attention", "MLP"), recompute_units=True),
     "stage-3 shardings, XLA's placement": dict(stage=3, explicit_collectives=False),
 }
 

@@ -36,6 +36,7 @@ BENCHMARKS = {
     "peers_comm": [],
     "unit_collectives": [],
     "hlo_audit": [],
+    "compile_time": ["--rounds", "3"],
     "peers_speed": ["--rounds", "3"],
     "cpu_setup": ["--rounds", "2"],
     "peers_scaling": ["--budget", "40GB"],

@@ -6,8 +6,9 @@ For each example-LM preset (bf16 params, fp32 master, AdamW, scanned layers, one
 the preset's length per device): zerojax stages 0-3, stage 3 with the optimizer offloaded, and
 a hand-written `jax.jit` FSDP (zerojax's stage-3 placement with explicit_collectives=False: XLA
 inserts every collective; fp32, since zerojax casts to 16 bits in its own hook, so the
-baseline is beside zerojax stage 3 in fp32). Columns: bytes at rest on the device, compiled
-peak (arguments + temporaries), and two formulas for the same Ψ and N:
+baseline is beside zerojax stage 3 in fp32, which keeps its activations as the baseline does,
+and, recomputing each unit in backward, `recompute_units=True`). Columns: bytes at rest on the
+device, compiled peak (arguments + temporaries), and two formulas for the same Ψ and N:
 - the ZeRO paper's model states (K = 12): stage 0 16Ψ, 1 4Ψ + 12Ψ/N, 2 2Ψ + 14Ψ/N,
   3 16Ψ/N (offload: 4Ψ/N on the device, as the paper's ZeRO-Offload keeps fp16 params + grads;
   the fp32 rows: 16Ψ/N = fp32 params 4 + grads 4 + Adam 8);
@@ -42,6 +43,7 @@ CONTENDERS = {
     "stage 3": dict(stage=3),
     "stage 3 + offload": dict(stage=3, offload_optimizer="cpu", offload_update="host"),
     "stage 3 fp32": dict(stage=3, precision="fp32"),
+    "stage 3 fp32 recompute": dict(stage=3, precision="fp32", recompute_units=True),
     "jit FSDP fp32": dict(stage=3, precision="fp32", explicit_collectives=False),
 }
 
@@ -55,6 +57,7 @@ def paper(name: str, psi: int) -> float:
         "stage 3 + offload": 4 * psi / N,
         # fp32 params (4) + grads (4) + Adam (8), all sharded
         "stage 3 fp32": 16 * psi / N,
+        "stage 3 fp32 recompute": 16 * psi / N,
         "jit FSDP fp32": 16 * psi / N,
     }[name]
 
