@@ -66,7 +66,9 @@ def test_the_peak_is_accounted_for_by_category(stage, precision):
     # flags of a managed state: 6 bytes), which the state holds but the program does not
     assert 0 <= rep.resident["optimizer state"] - held("optimizer state") <= 6
     assert held("master weights") == rep.resident.get("master weights", 0)  # 4Ψ/N
-    assert ("gathered weights" in cats) == (stage == 3)
+    # only stage 3 gathers weights (whether any is alive at the peak depends on where the
+    # compiler's peak falls: with activations kept it can be outside every unit)
+    assert stage == 3 or "gathered weights" not in cats
     assert sum(cats.values()) == peak.live_bytes <= rep.peak_bytes
     assert peak.live_bytes >= 0.85 * rep.peak_bytes  # the rest: gaps between temporaries
     # the model's buffers name the user's line that made them
