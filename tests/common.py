@@ -212,3 +212,10 @@ def loop_collective_sizes(compiled_text: str, devices: int = 8) -> list[int]:
         for line in computations[comp]
         if (m := re.search(pattern, line))
     ]
+
+
+def placed_as(x, *spec) -> bool:
+    """Whether array `x` is laid out as PartitionSpec(*spec) on its mesh (trailing Nones or
+    not: jax prints a spec either way, depending on how the array was placed)."""
+    wanted = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return x.sharding.is_equivalent_to(wanted, x.ndim)

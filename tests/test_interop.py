@@ -83,10 +83,10 @@ def test_hf_file_loads_shard_by_shard_and_trains_like_one_device(hf_file, monkey
         jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    # never whole: the (64, 256) MLP kernel was read as eight (64, 32) slices
+    # never whole: the (64, 256) MLP kernel was read as eight (8, 256) slices
     up = reads[hf_name("block_0/Dense_0/kernel")]
     assert len(up) == 8 and max(up) == 64 * 256 // 8
-    assert state.params["block_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape == (64, 32)
+    assert state.params["block_0"]["Dense_0"]["kernel"].addressable_shards[0].data.shape == (8, 256)
 
     single = jax.device_put(
         train_state.TrainState.create(apply_fn=MODEL.apply, params=want, tx=TX()), jax.devices()[0]

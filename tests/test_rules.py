@@ -1,5 +1,6 @@
-"""Sharding rules: a table of expected specs, and optimizer state following its parameter for
-any optax transformation (matched by path and shape, never by optimizer type)."""
+"""Sharding rules: a table of expected specs, a scanned stack found by its shapes, and optimizer
+state following its parameter for any optax transformation (matched by path and shape, never by
+optimizer type)."""
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ from common import assert_trees_close, batches, make_init, slow, train_single_de
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.core.rules import split_spec
+from zerojax.core.rules import split_spec, stacked_params
 
 D = "data"
 
@@ -17,9 +18,9 @@ D = "data"
 @pytest.mark.parametrize(
     "shape,n,threshold,spec,why",
     [
-        ((64, 256), 8, 0, P(None, D), "largest divisible dim"),
-        ((256, 64), 8, 0, P(D, None), "largest divisible dim"),
-        ((64, 64), 8, 0, P(D, None), "tie: first dim"),
+        ((64, 256), 8, 0, P(D, None), "first divisible dim: shards lie end to end"),
+        ((256, 64), 8, 0, P(D, None), "first divisible dim"),
+        ((64, 64), 8, 0, P(D, None), "square: first dim"),
         ((203, 64), 8, 0, P(None, D), "vocab 203 does not divide: the other dim"),
         ((203,), 8, 0, P(), "nothing divides: replicated"),
         ((203, 7), 8, 0, P(), "nothing divides: replicated"),
@@ -27,12 +28,61 @@ D = "data"
         ((1024,), 8, 1024, P(D), "at the threshold: sharded"),
         ((), 8, 0, P(), "scalar"),
         ((64, 256), 1, 0, P(), "one device"),
-        ((4, 6, 10), 2, 0, P(None, None, D), "3-D"),
+        ((4, 6, 10), 2, 0, P(D, None, None), "3-D"),
+        ((3, 6, 10), 2, 0, P(None, D, None), "3-D, dim 0 does not divide"),
     ],
 )
 def test_default_rule_table(shape, n, threshold, spec, why):
     cfg = zj.ZeroConfig(stage=3, persistence_threshold=threshold)
     assert split_spec(shape, D, n, cfg)[0] == spec, why
+
+
+STACK = {  # nn.scan over 4 blocks: every leaf gains a leading 4
+    "ScanBlock_0/Dense_0/kernel": (4, 64, 256),
+    "ScanBlock_0/Dense_0/bias": (4, 256),
+    "ScanBlock_0/LayerNorm_0/scale": (4, 64),
+    "Dense_0/kernel": (32, 64),
+}
+SQUARE = {  # an attention block of square kernels and their biases, unscanned
+    "attn/q/kernel": (64, 64),
+    "attn/q/bias": (64,),
+    "attn/o/kernel": (64, 64),
+    "attn/o/bias": (64,),
+}
+HEADS = {  # 8 scanned layers of 8 heads: the layer count is also a kernel dim, not the norm's
+    "layers/attn/query/kernel": (8, 512, 8, 64),
+    "layers/attn/out/kernel": (8, 8, 64, 512),
+    "layers/norm/scale": (8, 512),
+}
+HEADS_UNSCANNED = {  # DenseGeneral attention, unscanned: leading sizes differ
+    "attn/query/kernel": (768, 12, 64),
+    "attn/key/kernel": (768, 12, 64),
+    "attn/out/kernel": (12, 64, 768),
+}
+
+
+@pytest.mark.parametrize(
+    "shapes, stacked",
+    [
+        (STACK, {k for k in STACK if k.startswith("ScanBlock_0/")}),
+        (SQUARE, set()),
+        (HEADS, set(HEADS)),
+        (HEADS_UNSCANNED, set()),
+    ],
+)
+def test_a_stack_is_found_by_its_shapes(shapes, stacked):
+    assert stacked_params(shapes) == stacked
+
+
+def test_a_stack_is_split_past_its_layers_and_a_layer_on_its_first_dim():
+    # each layer's shard is then a block of rows: a gather lays them end to end (no transpose)
+    cfg = zj.ZeroConfig(stage=3, persistence_threshold=0)
+    assert split_spec((8, 64, 256), D, 8, cfg, stacked=True) == (
+        P(None, D, None),
+        "sharded dim 1 (dim 0: a stack's layers)",
+    )
+    assert split_spec((8, 3, 5), D, 8, cfg, stacked=True)[0] == P(D, None, None)  # only dim 0
+    assert split_spec((8, 64, 256), D, 8, cfg)[0] == P(D, None, None)
 
 
 def test_user_rules_by_path_regex():
@@ -122,3 +172,11 @@ def test_stage_placement_by_category():
         assert (mu.spec != P()) == opt_sharded, stage
         step = [p for p in plans if p.path == "step"][0]
         assert step.spec == P() and step.category == "other"
+
+
+def test_a_rule_that_matches_no_leaf_is_named():
+    zero = zj.zero_shard(stage=3, rules=((r"Dense_9/kernel", 0), (r"head/kernel$", None)))
+    with pytest.warns(zj.ZeroWarning) as said:
+        zero.eval_shape(make_init(optax.adam(1e-3)), jax.random.key(0))
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert "rule 'Dense_9/kernel' matches no leaf" in str(said[0].message)

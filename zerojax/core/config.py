@@ -47,7 +47,8 @@ class ZeroConfig:
     """User rules, checked before the default: `(regex, dim)` pairs matched with `re.search`
     against a parameter's path such as `'Dense_0/kernel'`. `dim` is the dimension to split
     (negative counts from the end) or None to keep the leaf replicated. Optimizer-state leaves
-    of the same path and shape follow their parameter's rule."""
+    of the same path and shape follow their parameter's rule. A rule that matches no leaf
+    warns, naming it."""
 
     logical_rules: tuple = ()
     """Tensor parallelism a model already declares: `(logical name, mesh axis or None)` pairs

@@ -1,8 +1,10 @@
 """Sharding rules: (leaf path, shape, stage, options) -> PartitionSpec.
 
 One rule serves every leaf of a train state, optimizer state included: a leaf is split along
-its largest dimension that divides the axis size, unless a user rule names the dimension or it
-is too small to be worth a collective. Optimizer-state leaves are matched to the parameter of
+its first (outermost) dimension that divides the axis size, a stack's layer dimension last, so
+that a gather lays the shards end to end and a collective needs no transpose (FSDP2 splits dim
+0 for the same reason); unless a user rule names the dimension or the leaf is too small to be
+worth a collective. Optimizer-state leaves are matched to the parameter of
 the same path suffix and shape (never by optimizer type), so Adam's moments follow their
 parameter while Adafactor's factored moments get the default rule for their own shapes.
 """
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.errors import warn
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
 PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
@@ -130,10 +133,12 @@ def split_spec(
     path: str = "",
     user_rules: bool = True,
     tensor: TensorSpec | None = None,
+    stacked: bool = False,
 ) -> tuple[P, str]:
     """Spec for a leaf that this stage shards, and the reason for the choice. `tensor`, the
     leaf's tensor-parallel axes (if the model declares any), stays in the spec; the ZeRO axis
-    goes on a dimension they leave free, else joins one of theirs when the split divides."""
+    goes on a dimension they leave free, else joins one of theirs when the split divides.
+    `stacked`: dim 0 is a stack's layers (`stacked_params`), split only when nothing else is."""
     ndim = len(shape)
     tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
     # the sizes each tensor-parallel shard has
@@ -163,8 +168,9 @@ def split_spec(
     divisible = [d for d in range(ndim) if local[d] % n == 0]
     if not divisible:
         return tensor.spec(), f"replicated: no dim divides by {n}"
-    dim = max(divisible, key=lambda d: (tensor.axes[d] is None, local[d], -d))
-    return tensor.spec(dim, axis), f"sharded dim {dim}"
+    dim = max(divisible, key=lambda d: (tensor.axes[d] is None, d > 0 or not stacked, -d))
+    why = " (dim 0: a stack's layers)" if stacked and dim > 0 else ""
+    return tensor.spec(dim, axis), f"sharded dim {dim}{why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +230,9 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
             "parameters under a field or key named `params` (a flax TrainState, or a "
             "dict/dataclass with `params` and `opt_state`), or a tuple `(params, opt_state)`."
         )
+    stacks = stacked_params(
+        {path_str(p[1:]): x.shape for p, x in leaves if category_of(p) == PARAMS}
+    )
     param_specs = {}
     plans = []
     for path, leaf in leaves:
@@ -232,7 +241,9 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
         if cat == PARAMS:
             sub = path_str(path[1:])
             layout = tensor.get(sub)
-            sharded, reason = split_spec(leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout)
+            sharded, reason = split_spec(
+                leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout, stacked=sub in stacks
+            )
             param_specs[sub] = (tuple(leaf.shape), sharded, reason)
             whole = layout.spec() if layout else P()  # over the ZeRO axis
             spec = sharded if cfg.shards_parameters else whole
@@ -275,7 +286,46 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
                 meant=meant,
             )
         )
+    _warn_unmatched_rules(cfg, [*param_specs, *(x.path for x in plans if x.category == OTHER)])
     return StateLayout(treedef, tuple(plans))
+
+
+def _warn_unmatched_rules(cfg: ZeroConfig, paths: list) -> None:
+    """Warn about each of the user's `rules` that no parameter or other-state path matches: a
+    typo there would otherwise leave the default layout silently in place. (Stage 0 splits
+    nothing: `inert_options` says the rules do nothing there.)"""
+    if not cfg.shards_optimizer_state:
+        return
+    for pattern, _ in cfg.rules:
+        if not any(re.search(pattern, p) for p in paths):
+            warn(
+                f"zerojax: rule {pattern!r} matches no leaf, so it changes nothing; parameter "
+                f"paths look like {paths[0]!r} (`zero.plan(state)` lists them all)."
+            )
+
+
+def stacked_params(shapes: dict) -> set:
+    """The parameters (paths below `params` -> shapes) that lie in a stack of layers, as
+    `nn.scan` or `nnx.vmap` makes them: under a module of two or more matrices whose leaves
+    all share a leading size that some matrix lacks in its other dims (square `[d, d]` kernels
+    with their `[d]` biases are not a stack; 8 layers of 8 heads beside a norm are). A guess
+    decides only which dim is split: a wrong one costs a transpose per gather, never a
+    result; a stack split on its layers fails when a layer is gathered, naming the leaf."""
+    groups: dict = {}
+    for path in shapes:
+        keys = path.split("/")
+        for depth in range(1, len(keys)):
+            groups.setdefault("/".join(keys[:depth]), []).append(path)
+    found: set = set()
+    for members in groups.values():
+        dims = [shapes[m] for m in members]
+        matrices = [s for s in dims if len(s) >= 2]
+        if len(matrices) < 2 or any(not s for s in dims):
+            continue
+        layers = dims[0][0]
+        if all(s[0] == layers for s in dims) and not all(layers in s[1:] for s in matrices):
+            found.update(members)
+    return found
 
 
 def _floating(leaf) -> bool:
