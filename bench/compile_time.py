@@ -1,8 +1,9 @@
 """How much longer zerojax's step takes to compile than a plain `jax.jit` step: trace + lower
 and XLA compile seconds of bench/jax_lm.py's LM unrolled at 8 layers (the case where compile
 time grows with depth; a scanned stack is traced once), a plain `jax.jit` step on one device
-against zerojax stages 0 and 3 with defaults and stage 3 with `recompute_units=True`, on 8
-simulated devices. Each measurement is a fresh process (no cache of an earlier compile), the
+against zerojax stages 0 and 3 with defaults and stage 3 with `recompute_units=True`, and
+stages 0 and 3 with `explicit_collectives=False` (XLA's partitioner inserts the collectives), on
+8 simulated devices. Each measurement is a fresh process (no cache of an earlier compile), the
 contenders alternated round after round; figures are medians with the spread.
 
     python bench/compile_time.py [--rounds 3] [--layers 8]
@@ -21,6 +22,10 @@ CONTENDERS = {  # name -> zero_shard options, None: plain jax.jit
     "zerojax stage 0": dict(stage=0),
     "zerojax stage 3": dict(stage=3),
     "zerojax stage 3, recompute_units=True": dict(stage=3, recompute_units=True),
+    # the same placements with XLA's partitioner inserting the collectives: what zerojax's own
+    # collectives (the hook, its shard_map and per-unit VJPs) add to the compile
+    "stage 0, explicit_collectives=False": dict(stage=0, explicit_collectives=False),
+    "stage 3, explicit_collectives=False": dict(stage=3, explicit_collectives=False),
 }
 
 
