@@ -2,11 +2,14 @@
 state following its parameter for any optax transformation (matched by path and shape, never by
 optimizer type)."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from common import assert_trees_close, batches, make_init, slow, train_single_device, train_zero
+from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
@@ -180,3 +183,48 @@ def test_a_rule_that_matches_no_leaf_is_named():
         zero.eval_shape(make_init(optax.adam(1e-3)), jax.random.key(0))
     assert len(said) == 1, [str(w.message) for w in said]
     assert "rule 'Dense_9/kernel' matches no leaf" in str(said[0].message)
+
+
+class _Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.Dense(64, use_bias=False)(nn.tanh(x)), None
+
+
+class _SingleKernelStack(nn.Module):
+    """8 scanned layers of one bias-free kernel each, (8, 64, 64): nothing in its shapes says
+    that dim 0 counts layers, so the first-dim rule splits it there."""
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(
+            _Residual, variable_axes={"params": 0}, split_rngs={"params": True}, length=8
+        )
+        return blocks()(x, None)[0].sum(-1)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_stack_split_on_its_layers_is_gathered_whole_and_says_so(stage):
+    model = _SingleKernelStack()
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 64)))["params"]
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
+        )
+
+    def step(state, x):
+        loss = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)  # noqa: E731
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return state.apply_gradients(grads=grads), value
+
+    data = [jax.random.normal(jax.random.key(i), (16, 64)) for i in range(3)]
+    want = init(jax.random.key(0))
+    for x in data:
+        want, _ = jax.jit(step)(want, x)
+    zero = zj.zero_shard(stage=stage)
+    state = zero.init(init, jax.random.key(0))
+    with pytest.warns(zj.ZeroWarning, match="split along its stack's layer dimension 0"):
+        for x in data:
+            state, _ = zero(step)(state, x)
+    assert_trees_close(state.params, want.params)

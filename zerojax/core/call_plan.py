@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from zerojax.core.config import DTYPE_NAMES, ZeroConfig, ZeroError
+from zerojax.core.errors import warn
 from zerojax.core.rules import PARAMS, StateLayout, key_name, path_str
 
 WHOLE, UNIT, OTHER = "whole", "unit", "other"  # a leaf's role in a call
@@ -132,7 +133,11 @@ def plan_call(
         path, plan = path_str(p[1:]), layout.param_plan(p[1:], x)
         spec, grad = (P(), P()) if plan is None else (plan.spec, plan.grad_spec or P())
         unit = next((u for u in layers if path.startswith(u + "/")), None)
-        if unit is not None and plan is not None and _small_layers(x, layers[unit], cfg):
+        if (
+            unit is not None
+            and plan is not None
+            and _whole_per_step(path, plan, x, layers, unit, cfg)
+        ):
             unit = None  # gathered once per step with the whole parameters, not per layer
         leaves.append(
             LeafCall(
@@ -154,6 +159,23 @@ def plan_call(
         )
     in_place = bool(layers) and not cfg.shards_parameters
     return CallPlan(tuple(leaves), layers, in_place, tuple(batch))
+
+
+def _whole_per_step(path: str, plan, leaf, layers: dict, unit: str, cfg: ZeroConfig) -> bool:
+    """Whether a unit's stacked leaf is gathered (and reduced) once per step, whole, rather
+    than layer by layer: its layers are small, or it is split on a layer dim (a stack whose
+    shapes did not reveal it, `rules.stacked_params`), which no single layer can gather."""
+    if _small_layers(leaf, layers[unit], cfg):
+        return True
+    if plan.split_dim is None or plan.split_dim >= len(layers[unit]):
+        return False
+    warn(
+        f"zerojax: {path} is split along its stack's layer dimension {plan.split_dim}, so "
+        "each step gathers it (stage 3) and reduces its gradient whole, once, instead of "
+        "one layer at a time. Split "
+        f"another dimension: zero_shard(rules=(({path!r}, {len(layers[unit])}),))."
+    )
+    return True
 
 
 def _small_layers(leaf, layer_dims: tuple, cfg: ZeroConfig) -> bool:

@@ -310,7 +310,8 @@ def stacked_params(shapes: dict) -> set:
     all share a leading size that some matrix lacks in its other dims (square `[d, d]` kernels
     with their `[d]` biases are not a stack; 8 layers of 8 heads beside a norm are). A guess
     decides only which dim is split: a wrong one costs a transpose per gather, never a
-    result; a stack split on its layers fails when a layer is gathered, naming the leaf."""
+    result; a missed stack split on its layers is gathered whole once per step, with a
+    warning naming the rule that splits it elsewhere (`call_plan`)."""
     groups: dict = {}
     for path in shapes:
         keys = path.split("/")
