@@ -188,3 +188,15 @@ def test_nnx_zeropp_and_offload_match_single_device(options):
     assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))
     if "offload_param" in options:
         assert model.blocks[0].up.kernel[...].sharding.memory_kind == "pinned_host"
+
+
+def test_an_nnx_stack_is_split_past_its_layers():
+    # 8 vmapped layers on 8 devices: dim 0 divides, yet each layer is split on its own first
+    # dim (its shards end to end); the unstacked blocks of an nnx.List split their dim 0
+    zero = zj.zero_shard(stage=3)
+    stacked = zero.layout(zero.eval_shape(make(8, scan=True))).params
+    assert stacked["blocks/up/kernel"].shape == (8, 64, 256)
+    assert stacked["blocks/up/kernel"].split_dim == 1
+    assert stacked["blocks/attn/query/kernel"].split_dim == 1  # (8, 64, 4, 16)
+    listed = zero.layout(zero.eval_shape(make(2))).params
+    assert listed["blocks/0/up/kernel"].split_dim == 0
