@@ -12,6 +12,7 @@ import pytest
 from flax.training import train_state
 
 import zerojax as zj
+from tests.test_schedule import VARIADIC
 from zerojax.inspect.audit import audit
 from zerojax.inspect.hlo import matmul_flops
 from zerojax.models.gpt import make_init, train_step
@@ -164,3 +165,10 @@ def test_a_stacks_weights_are_gathered_without_a_transpose(rules, most):
     found = audit(zero(_mlp_step).lower(state, batch).compile().as_text(), 8)
     share = found.relayout_bytes / found.gathered_bytes
     assert share < most if most else share > 0.5, share
+
+
+def test_a_collective_moving_two_arrays_counts_once():
+    # an all-reduce of two arrays (XLA's combiners make them) is one launch, its bytes summed
+    found = audit(VARIADIC, 8)
+    assert found.collectives == {"all-reduce": 1}
+    assert found.collective_bytes == {"all-reduce": 256 + 32}

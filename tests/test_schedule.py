@@ -6,7 +6,7 @@ so an all-gather or reduce-scatter sends 7/8 of its buffer and an all-reduce 2 x
 
 import pytest
 
-from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives
+from zerojax.inspect.schedule import launches, overlap_bytes, scheduled_collectives
 
 GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}"
 XLA = f"""HloModule m, is_scheduled=true
@@ -121,3 +121,31 @@ def test_a_cpu_style_module_exposes_everything():
     sync = XLA.replace("all-gather-start(", "all-gather(").replace("-start(", "(")
     sync = "\n".join(line for line in sync.splitlines() if "-done(" not in line)
     assert all(not s.overlapped for s in scheduled_collectives(sync, 8))
+
+
+VARIADIC = f"""HloModule v, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (a: f32[8,8], b: f32[8]) -> (f32[8,8], f32[8]) {{
+  %a = f32[8,8]{{1,0}} parameter(0)
+  %b = f32[8]{{0}} parameter(1)
+  ROOT %ar = (f32[8,8]{{1,0}}, f32[8]{{0}}) all-reduce(%a, %b), {GROUP}, to_apply=%add
+}}
+"""
+
+
+def test_a_collective_moving_two_arrays_is_one_launch():
+    # XLA's combiners make one all-reduce of several arrays: one launch, its bytes summed
+    scheduled = scheduled_collectives(VARIADIC, 8)
+    assert [s.first for s in scheduled] == [True, False]
+    assert launches(scheduled) == [("all-reduce", 256 + 32)]
+    assert launches(scheduled_collectives(XLA, 8)) == [
+        ("all-reduce", 256),
+        ("reduce-scatter", 256),
+        *[("all-gather", 256)] * 6,
+    ]

@@ -1,9 +1,11 @@
 """What a compiled step spends beside its math, read from its optimized HLO text: how many
-collectives it runs (after the compiler combined them) and how small they are, which
+collectives it runs (after the compiler combined them: one instruction moving several arrays,
+as XLA's combiners make, is one launch and counts once) and how small they are, which
 all-gathers wait for something other than the stored shard they gather (a false dependency
-keeps the scheduler from issuing them a unit ahead), and how many bytes are transposed or
-copied next to a collective (a weight split on a dimension other than its first is re-laid
-out before and after every gather and reduce-scatter).
+keeps the scheduler from issuing them a unit ahead), and how many bytes are transposed, copied,
+sliced or concatenated next to a collective (a weight split on a dimension other than its
+first is re-laid out before and after every gather and reduce-scatter; leaves packed into one
+buffer are copied in, and read back out of the gathered buffer).
 
 Every count is per execution of the module: an instruction in a scanned loop's body counts
 once per iteration (`hlo.runs`). An all-gather's operand is followed back through every
@@ -27,7 +29,8 @@ _CALLEE = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
 _INDEX = re.compile(r"index=(\d+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 COMPUTES = frozenset({"dot", "convolution", "gather", "scatter", "reduce-window"})
-RELAYOUTS = frozenset({"transpose", "copy"})
+RELAYOUTS = frozenset({"transpose", "copy", "slice", "concatenate"})
+PLUMBING = frozenset({"parameter", "constant", "bitcast", "reshape", "broadcast", "tuple"})
 GATHERS = frozenset({"all-gather", "all-gather-start"})
 REDUCTIONS = frozenset({"reduce-scatter", "all-reduce", "all-reduce-start", "all-to-all"})
 
@@ -93,7 +96,7 @@ class Audit:
     small_in_loops: int  # executions per step of collectives under SMALL inside a loop body
     gathers_not_from_storage: tuple[str, ...]  # all-gathers waiting for a computed value
     gathered_bytes: int  # all-gather results, per step
-    relayout_bytes: int  # transposes and copies feeding or fed by a collective, per step
+    relayout_bytes: int  # data moves (RELAYOUTS) feeding or fed by a collective, per step
 
 
 class _Module:
@@ -176,9 +179,10 @@ class _Module:
         return self.computed(outer, loop.operands[0], seen)
 
     def relayout(self, instr: Instruction) -> int:
-        """Bytes of `instr` when it only moves data (a transpose or copy, alone or fused)."""
+        """Bytes of `instr` when it only moves data (a transpose, copy, slice or concatenation,
+        alone or fused with nothing that computes: an update fused with a copy is math)."""
         ops = self.opcodes(instr)
-        return instr.bytes if ops & RELAYOUTS and not ops & COMPUTES else 0
+        return instr.bytes if ops & RELAYOUTS and ops <= RELAYOUTS | PLUMBING else 0
 
 
 def audit(hlo_text: str, num_devices: int) -> Audit:
@@ -192,10 +196,12 @@ def audit(hlo_text: str, num_devices: int) -> Audit:
     for comp, instrs in module.comps.items():
         times = module.times.get(comp, 0)
         for instr in instrs.values():
-            for c in collectives_in(instr.line, num_devices, num_devices):
-                counts[c.kind] = counts.get(c.kind, 0) + times
-                sizes[c.kind] = sizes.get(c.kind, 0) + c.buffer_bytes * times
-                small += times if times > 1 and c.buffer_bytes < SMALL else 0
+            moved = collectives_in(instr.line, num_devices, num_devices)
+            if moved:  # one launch, however many arrays it moves
+                kind, nbytes = moved[0].kind, sum(c.buffer_bytes for c in moved)
+                counts[kind] = counts.get(kind, 0) + times
+                sizes[kind] = sizes.get(kind, 0) + nbytes * times
+                small += times if times > 1 and nbytes < SMALL else 0
             if instr.opcode not in GATHERS | REDUCTIONS:
                 continue
             around = [module.comps[comp].get(o) for o in instr.operands[:1]]

@@ -38,6 +38,24 @@ class Scheduled:
 
     collective: Collective
     overlapped: bool
+    first: bool = True  # False for the second and later arrays one instruction moves
+
+
+def _each(found: list[Collective], overlapped: bool) -> list[Scheduled]:
+    """The arrays one collective instruction moves, the first marked as the launch."""
+    return [Scheduled(c, overlapped, i == 0) for i, c in enumerate(found)]
+
+
+def launches(scheduled: list[Scheduled]) -> list[tuple[str, int]]:
+    """(kind, bytes of all its arrays) of each collective instruction run: a variadic or
+    combined one is one launch, however many arrays it moves."""
+    out: list[tuple[str, int]] = []
+    for s in scheduled:
+        if s.first or not out:
+            out.append((s.collective.kind, s.collective.buffer_bytes))
+        else:
+            out[-1] = (out[-1][0], out[-1][1] + s.collective.buffer_bytes)
+    return out
 
 
 def _op(text: str) -> str:
@@ -86,14 +104,18 @@ class _ScheduleReader:
                     return found
         return []
 
-    def fused(self, comp: str) -> list[Collective]:
-        """The collectives of a fused computation. The TPU compiler's 'all-reduce-scatter'
-        fusion combines reduce-scatters into one all-reduce whose result it slices: it runs
-        the reduce-scatter half, and is counted as the reduce-scatter it is."""
-        found = [c for line in self.comps[comp] for c in self.collectives(line)]
-        if comp.startswith("all-reduce-scatter"):
-            found = [dataclasses.replace(c, kind="reduce-scatter") for c in found]
-        return found
+    def fused(self, comp: str) -> list[Scheduled]:
+        """The collectives of a fused computation (synchronous). The TPU compiler's
+        'all-reduce-scatter' fusion combines reduce-scatters into one all-reduce whose result
+        it slices: it runs the reduce-scatter half, and is counted as the reduce-scatter it
+        is."""
+        out = []
+        for line in self.comps[comp]:
+            found = self.collectives(line)
+            if comp.startswith("all-reduce-scatter"):
+                found = [dataclasses.replace(c, kind="reduce-scatter") for c in found]
+            out += _each(found, False)
+        return out
 
     def walk(self, comp: str, seen: tuple) -> list[Scheduled]:
         out: list[Scheduled] = []
@@ -110,27 +132,27 @@ class _ScheduleReader:
                     pending[name] = found
                     continue
             if (key := _done_of(name, op, rhs)) in pending:
-                out += [Scheduled(c, key in beside_matmul) for c in pending.pop(key)]
+                out += _each(pending.pop(key), key in beside_matmul)
                 continue
             if op in COLLECTIVES:  # synchronous: nothing runs beside it
-                out += [Scheduled(c, False) for c in self.collectives(line)]
+                out += _each(self.collectives(line), False)
                 continue
             out += self.nested(line, op, rhs, comp, seen)
             if op in _MATMUL or any(map(self.has_matmul, self.callees(line))):
                 beside_matmul |= pending.keys()
         # a start whose done this computation does not hold (e.g. across a loop boundary):
         # counted, as exposed (nothing here is known to run beside it)
-        return out + [Scheduled(c, False) for found in pending.values() for c in found]
+        return out + [s for found in pending.values() for s in _each(found, False)]
 
     def nested(self, line: str, op: str, rhs: str, comp: str, seen: tuple) -> list[Scheduled]:
         """The collectives of what `line` calls: a fusion's (synchronous), a loop body's
         (times its trips), a call's or a conditional branch's (in order)."""
         if op == "fusion":  # collectives fused synchronously, e.g. TPU's reduce-scatters
             return [  # not an in-flight one's step
-                Scheduled(c, False)
+                s
                 for callee in self.callees(line)
                 if not callee.startswith("async_collective")
-                for c in self.fused(callee)
+                for s in self.fused(callee)
             ]
         loop = _WHILE.search(rhs) if op == "while" else None
         if loop and loop.group(2) not in seen:
