@@ -9,8 +9,10 @@ collective against the bytes gathered (`zerojax.inspect.audit`), and the compile
 
 Models: `bench` is bench/jax_lm.py's LM (4 scanned layers, d_model 256, batch 64), `125m` and
 `tiny` the example LM's presets (batch 8 per device). Rows: stages 0-3 with defaults (units
-"auto": one per block), stage 3 with `recompute_units=True` and with attention and MLP as
-units (what bench/accelerator_compile.py and `zerojax plan` use). Without --topology the step
+"auto": one per block), stage 3 with `recompute_units=True`, with attention and MLP as
+units (what bench/accelerator_compile.py and `zerojax plan` use) and with `unit_buffers=True`
+(one buffer per unit and dtype each way). A collective instruction that moves several arrays
+(a combined or variadic one) counts once: it is one launch. Without --topology the step
 is compiled for 8 simulated CPU devices (XLA's CPU pipeline combines no collectives); with it,
 by libtpu for that TPU slice, ahead of time (Python >= 3.12, `pip install 'zerojax[tpu]'`).
 A TPU's optimized module wraps each collective in start and done fusions: with --topology the
@@ -42,6 +44,7 @@ from jax_lm import SHAPE, lm_config  # noqa: E402
 import zerojax as zj  # noqa: E402
 from zerojax.inspect.audit import SMALL, audit  # noqa: E402
 from zerojax.inspect.hlo import matmul_flops  # noqa: E402
+from zerojax.inspect.schedule import launches  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
@@ -49,6 +52,7 @@ ROWS = {  # name -> (zero_shard options, units per block)
     **{f"stage {s}": (dict(stage=s), 1) for s in range(4)},
     "stage 3, recompute_units=True": (dict(stage=3, recompute_units=True), 1),
     "stage 3, attention + MLP units": (dict(stage=3, units=("Attention", "MLP")), 2),
+    "stage 3, unit_buffers=True": (dict(stage=3, unit_buffers=True), 1),
 }
 
 
@@ -92,8 +96,9 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
         "peak_bytes": rep.peak_bytes,
     }
     if tpu:
-        kinds = collections.Counter(s.collective.kind for s in rep.scheduled)
-        small = sum(s.collective.buffer_bytes < SMALL for s in rep.scheduled)
+        run = launches(rep.scheduled)
+        kinds = collections.Counter(kind for kind, _ in run)
+        small = sum(nbytes < SMALL for _, nbytes in run)
         row |= {"collectives": dict(kinds), "small": small, "relayout_bytes": None}
     return row
 

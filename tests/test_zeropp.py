@@ -130,11 +130,27 @@ def single_device(data, init_fn):
 HPZ, MICS = dict(hpz_partition_size=4), dict(mics_shard_size=4)
 
 
-# each option scanned and unrolled between them; the slow lane runs the other two pairs
+BUFFERS = dict(unit_buffers=True)  # a unit's (and the rest's) leaves as one buffer per dtype
+
+
+# each option scanned and unrolled between them; the slow lane runs the other two pairs; with
+# unit_buffers, the buffers are gathered inside the node (MiCS) or re-gathered from hpZ's copy
 @pytest.mark.parametrize(
     "options,scan",
-    [(HPZ, True), (MICS, False), *slow((HPZ, False), (MICS, True))],
-    ids=["hpZ-scanned", "MiCS-unrolled", "hpZ-unrolled", "MiCS-scanned"],
+    [
+        (HPZ, True),
+        (MICS, False),
+        ({**MICS, **BUFFERS}, True),
+        *slow((HPZ, False), (MICS, True), ({**HPZ, **BUFFERS}, False)),
+    ],
+    ids=[
+        "hpZ-scanned",
+        "MiCS-unrolled",
+        "MiCS-buffers-scanned",
+        "hpZ-unrolled",
+        "MiCS-scanned",
+        "hpZ-buffers-unrolled",
+    ],
 )
 def test_unquantized_options_train_exactly_like_one_device(options, scan):
     data, init_fn = lm_setup(scan)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from zerojax.comm.flat import gather_leaves, reduce_leaves
 from zerojax.comm.hierarchy import Comm, gather_weight, manual_over_data, reduce_gradient
 from zerojax.core.rules import split_dim
 
@@ -49,15 +50,21 @@ def device_copies(
     the gradients' dtypes)."""
 
     def gather(*xs):
-        out = []
-        for x, spec, compute_dtype in zip(xs, store_specs, dtypes[0], strict=True):
-            x = to_compute(x, compute_dtype)
-            out.append(gather_weight(x, split_dim(spec, comm.shard_axis), comm, x.dtype)[None])
-        return tuple(out)
+        xs = [to_compute(x, dt) for x, dt in zip(xs, dtypes[0], strict=True)]
+        dims = [split_dim(spec, comm.shard_axis) for spec in store_specs]
+        one = lambda x, d: gather_weight(x, d, comm, x.dtype)
+        return tuple(x[None] for x in gather_leaves(xs, dims, one, comm.buffers))
 
     return manual_over_data(
         gather, mesh, comm, store_specs, tuple(P(comm.data_axis) for _ in leaves)
     )(*leaves)
+
+
+def _shard_shape(shape: tuple, dim: int | None, n: int) -> tuple:
+    """The shape of one of `n` shards of a `shape` split on `dim` (None: whole)."""
+    if dim is None:
+        return shape
+    return (*shape[:dim], shape[dim] // n, *shape[dim + 1 :])
 
 
 def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes):
@@ -68,10 +75,14 @@ def _copies_bwd(store_specs, grad_specs, mesh, comm, dtypes, scale, cotangents):
     _, reduce_dtype, primal_dtypes = dtypes
 
     def reduce(*cts):
-        out = []
-        for ct, spec in zip(cts, grad_specs, strict=True):
-            out.append(reduce_gradient(ct[0], split_dim(spec, comm.shard_axis), comm, reduce_dtype))
-        return tuple(out)
+        cts = [ct[0] for ct in cts]
+        dims = [split_dim(spec, comm.shard_axis) for spec in grad_specs]
+        n = comm.shard_size
+        shapes = [_shard_shape(ct.shape, d, n) for ct, d in zip(cts, dims, strict=True)]
+        one = lambda g, d: reduce_gradient(g, d, comm, reduce_dtype)
+        out = reduce_leaves(cts, dims, shapes, one, n, comm.buffers)
+        # a whole leaf's gradient is all-reduced alone: XLA combines all-reduces itself
+        return tuple(one(g, None) if d is None else g for g, d in zip(out, dims, strict=True))
 
     grads = manual_over_data(
         reduce, mesh, comm, tuple(P(comm.data_axis) for _ in cotangents), grad_specs

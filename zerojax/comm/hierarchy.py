@@ -9,6 +9,8 @@ MiCS groups), the batch axes (`data`: all of them, in mesh order), and the ZeRO+
 - hpZ (`secondary='local'`): a layer keeps, after its forward gather, the slice of the full
   weight that is this device's shard over the node's devices only, and backward re-gathers it
   inside the node.
+With `buffers` (`unit_buffers=True`) a call's split leaves move as one buffer per dtype
+(`comm.flat`).
 The functions below run inside `shard_map` on one device's values.
 """
 
@@ -46,6 +48,7 @@ class Comm:
     grad_block: int = 32
     secondary: str | None = None  # hpZ: the axis of the secondary copy
     tensor: tuple = ()  # ((axis, size), ...) other mesh axes: the model's own (TP)
+    buffers: bool = False  # unit_buffers: split leaves move as one buffer per dtype (comm.flat)
 
     @property
     def shard_axis(self):
@@ -109,6 +112,7 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
         grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
         grad_block=cfg.quantized_gradients_block,
         secondary=LOCAL if cfg.hpz_partition_size > 1 else None,
+        buffers=cfg.unit_buffers,
     )
 
 

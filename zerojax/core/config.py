@@ -101,11 +101,13 @@ class ZeroConfig:
     move the most bytes first; `step.budget` says what it chose. Stages 0-2: only checked."""
 
     unit_buffers: bool = False
-    """Stage 3 units: gather each unit's split weights as one buffer (one all-gather each way)
-    and reduce-scatter its gradients as one, instead of one collective per leaf. Fewer, larger
-    collectives, at the cost of copying the leaves out of the buffer (a unit's weights exist
-    twice for a moment: `bench/unit_collectives.py` measures both). Stages 1-2: the
-    gradient reduce-scatter only; stage 0: no effect."""
+    """Stage 3 units: gather each unit's split weights as one buffer per dtype (one all-gather
+    each way) and reduce-scatter its gradients as one, instead of one collective per leaf; the
+    split parameters no unit holds likewise, once per step. Fewer, larger collectives (3 per
+    unit), at the cost of copying the leaves out of the gathered buffer and the gradients into
+    theirs, as FSDP2 does (a unit's weights exist twice for a moment: `bench/hlo_audit.py` and
+    `bench/unit_collectives.py` measure both). Stages 1-2: the gradient reduce-scatter only;
+    stage 0: no effect."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around the model (a

@@ -39,13 +39,7 @@ from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
 from zerojax.comm.device_values import varying
-from zerojax.comm.flat import (
-    all_reduce_bucket,
-    pack_full,
-    pack_shards,
-    unpack_full,
-    unpack_shards,
-)
+from zerojax.comm.flat import all_reduce_bucket, gather_leaves, reduce_leaves
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
     Comm,
@@ -68,7 +62,7 @@ class GatherContext:
     """What a unit needs inside a step's per-device body."""
 
     comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
-    config: ZeroConfig  # prefetch, recompute_units, keep_gathered, unit_buffers, offload_*
+    config: ZeroConfig  # prefetch, recompute_units, keep_gathered, offload_*
     split_dims: dict = dataclasses.field(default_factory=dict)  # parameter path -> dim or None
     stored_ndim: dict = dataclasses.field(default_factory=dict)  # path -> ndim stored (scanned)
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
@@ -260,30 +254,10 @@ def _gather(shards, dims, ctx):
     """The unit's weights, gathered leaf by leaf or (unit_buffers) as one buffer per dtype."""
     flat, tree = jax.tree_util.tree_flatten(shards)
     flat = [to_compute(x, ctx.compute_dtype) for x in flat]
-    split = [(i, d) for i, d in enumerate(jax.tree_util.tree_leaves(dims)) if d >= 0]
-    out = list(flat)
-    for group in _groups(split, flat, ctx):
-        parts = [(d, flat[i]) for i, d in group]
-        if len(group) == 1 and not ctx.config.unit_buffers:
-            (i, d), x = group[0], flat[group[0][0]]
-            out[i] = gather_weight(x, d, ctx.comm, x.dtype)
-            continue
-        buffer = pack_shards(parts)
-        full = unpack_full(gather_weight(buffer, 0, ctx.comm, buffer.dtype), parts)
-        for (i, _), x in zip(group, full, strict=True):
-            out[i] = x
-    return jax.tree_util.tree_unflatten(tree, out)
-
-
-def _groups(split: list, flat: list, ctx) -> list:
-    """The (index, dim) lists gathered together: one per leaf, or with unit_buffers one per
-    dtype."""
-    if not ctx.config.unit_buffers:
-        return [[entry] for entry in split]
-    by_dtype: dict = {}
-    for i, d in split:
-        by_dtype.setdefault(flat[i].dtype, []).append((i, d))
-    return list(by_dtype.values())
+    split = [d if d >= 0 else None for d in jax.tree_util.tree_leaves(dims)]
+    gather = lambda x, d: gather_weight(x, d, ctx.comm, x.dtype)
+    full = gather_leaves(flat, split, gather, ctx.comm.buffers)
+    return jax.tree_util.tree_unflatten(tree, full)
 
 
 def _per_device(shards, dims, ctx):
@@ -309,7 +283,6 @@ def _scatter(grads, dims, shards, ctx, scale):
     device (stage 3: summed by `_per_device`'s transpose)."""
     flat, tree = jax.tree_util.tree_flatten(grads)
     local = jax.tree_util.tree_leaves(shards)
-    split = [(i, d) for i, d in enumerate(jax.tree_util.tree_leaves(dims)) if d >= 0]
     out = list(flat)
     for bucket in _buckets(flat, local, dims, ctx):
         reduce = lambda b: reduce_gradient(b, None, ctx.comm, None)
@@ -317,15 +290,9 @@ def _scatter(grads, dims, shards, ctx, scale):
         for i, g in zip(bucket, summed, strict=True):
             out[i] = g
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
-    for group in _groups(split, flat, ctx):
-        if len(group) == 1 and not ctx.config.unit_buffers:
-            i, d = group[0]
-            out[i] = reduce(flat[i], d)
-            continue
-        buffer = pack_full([(d, flat[i]) for i, d in group], ctx.comm.shard_size)
-        mine = unpack_shards(reduce(buffer, 0), [(d, local[i]) for i, d in group])
-        for (i, _), g in zip(group, mine, strict=True):
-            out[i] = g
+    split = [d if d >= 0 else None for d in jax.tree_util.tree_leaves(dims)]
+    shapes = [x.shape for x in local]
+    out = reduce_leaves(out, split, shapes, reduce, ctx.comm.shard_size, ctx.comm.buffers)
     out = [unscale(g, scale, x.dtype) for g, x in zip(out, local, strict=True)]
     return jax.tree_util.tree_unflatten(tree, out)
 
