@@ -7,7 +7,7 @@ bench/torch_lm.py), and each framework's one-device time at the same global batc
 (a plain `jax.jit` step; one PyTorch process; one DeepSpeed process), all with the
 benchmark-only installs of bench/torch_lm.py's docstring:
 
-    python bench/peers_speed.py [--rounds 3] [--steps 6]
+    python bench/peers_speed.py [--rounds 3] [--steps 6] [--only REGEX]
 
 Contenders alternate, round after round, each a fresh process timing --steps steps after 2
 warm-up steps; a contender's figure is the median over rounds of its per-round median step
@@ -15,12 +15,16 @@ time, with the spread (min..max of the round medians). Scaling efficiency = the 
 one-device step time / its 8-device step time (the same global batch, so 8 would be perfect on
 8 free devices; this machine has 2 cores). Collectives per step: zerojax's counted in its
 compiled HLO (bytes one device sends); the peers' from the ZeRO paper's formula (Psi fp32
-parameters, ring factor 7/8). Writes bench/results/peers_speed.json, .md and .png.
+parameters, ring factor 7/8). Writes bench/results/peers_speed.json, .md and .png; with
+`--only`, a quicker look: only the contenders the regex matches, beside the one-device
+baselines and the rows the targets compare (zerojax stage 3 and the peers' ZeRO-3), printed and
+not written.
 """
 
 import argparse
 import os
 import pathlib
+import re
 import statistics
 import sys
 
@@ -32,6 +36,12 @@ PY = sys.executable
 ZEROJAX = str(pathlib.Path(PY).parent / "zerojax")  # the launcher installed beside it
 EIGHT = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 DS = {"DS_ACCELERATOR": "cpu"}
+TARGETS = (  # the rows `targets` compares
+    "zerojax stage 3, 1 x 8",
+    "zerojax stage 3, 8 x 1",
+    "PyTorch FSDP2 (ZeRO-3-like)",
+    "DeepSpeed ZeRO-3",
+)
 
 
 def torchrun(procs: int, *args) -> list:
@@ -95,8 +105,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--only", help="regex: run only these contenders (see above)")
     args = parser.parse_args()
-    table = contenders()
+    table = {
+        name: c
+        for name, c in contenders().items()
+        if not args.only or c[3] == "one device" or name in TARGETS or re.search(args.only, name)
+    }
     rounds = {name: [] for name in table}
     results = {}
     for r in range(args.rounds):
@@ -132,10 +147,15 @@ def main():
             rows[name]["collectives"] = results[name]["collectives"]
     for name in rows:  # one program in both layouts
         if name.endswith("8 x 1"):
-            rows[name]["collectives"] = rows[name.replace("8 x 1", "1 x 8")].get("collectives")
+            rows[name]["collectives"] = rows.get(name.replace("8 x 1", "1 x 8"), {}).get(
+                "collectives"
+            )
     verdict = targets(rows)
     md = render(rows, verdict, args)
     print("\n" + md)
+    if args.only:
+        print("--only: bench/results/peers_speed.* left as they were", flush=True)
+        return
     write_results(
         "peers_speed",
         {"shape": SHAPE, "rows": rows, "targets": verdict},
