@@ -37,6 +37,11 @@ def _moved(shape: tuple, dim: int) -> tuple:
     return (shape[dim], *shape[:dim], *shape[dim + 1 :])
 
 
+def _shard(shape: tuple, dim: int, n: int) -> tuple:
+    """The shape of one of `n` shards of `shape` split on `dim`."""
+    return (*shape[:dim], shape[dim] // n, *shape[dim + 1 :])
+
+
 def _pack_shards(shards: list) -> jnp.ndarray:
     """`(S,)`: the shards (each `(dim, x)`), split dim first, flattened, concatenated and
     padded with zeros to whole blocks of `ROWS` x `LANES`."""
@@ -104,9 +109,9 @@ def gather_leaves(shards: list, dims: list, gather, buffers: bool) -> list:
     return out
 
 
-def reduce_leaves(grads: list, dims: list, shapes: list, reduce, n: int, buffers: bool) -> list:
-    """Each split gradient reduce-scattered by `reduce(g, dim)` to this device's shard (of
-    shape `shapes[i]`), leaf by leaf or (`buffers`) one buffer per dtype over `n` devices; a
+def reduce_leaves(grads: list, dims: list, reduce, n: int, buffers: bool) -> list:
+    """Each split gradient reduce-scattered by `reduce(g, dim)` to this device's shard (one
+    n-th of its dim), leaf by leaf or (`buffers`) one buffer per dtype over `n` devices; a
     gradient whose dim is None is returned as is."""
     out = list(grads)
     for group in _groups(grads, dims, buffers):
@@ -115,7 +120,9 @@ def reduce_leaves(grads: list, dims: list, shapes: list, reduce, n: int, buffers
             continue
         buffer = _pack_full([(dims[i], grads[i]) for i in group], n)
         mine = reduce(buffer.reshape(-1, LANES), 0).reshape(-1)
-        shards = _unpack_shards(mine, [(dims[i], shapes[i]) for i in group])
+        shards = _unpack_shards(
+            mine, [(dims[i], _shard(grads[i].shape, dims[i], n)) for i in group]
+        )
         for i, g in zip(group, shards, strict=True):
             out[i] = g
     return out

@@ -60,13 +60,6 @@ def device_copies(
     )(*leaves)
 
 
-def _shard_shape(shape: tuple, dim: int | None, n: int) -> tuple:
-    """The shape of one of `n` shards of a `shape` split on `dim` (None: whole)."""
-    if dim is None:
-        return shape
-    return (*shape[:dim], shape[dim] // n, *shape[dim + 1 :])
-
-
 def _copies_fwd(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes):
     return device_copies(leaves, scale, store_specs, grad_specs, mesh, comm, dtypes), scale
 
@@ -77,10 +70,8 @@ def _copies_bwd(store_specs, grad_specs, mesh, comm, dtypes, scale, cotangents):
     def reduce(*cts):
         cts = [ct[0] for ct in cts]
         dims = [split_dim(spec, comm.shard_axis) for spec in grad_specs]
-        n = comm.shard_size
-        shapes = [_shard_shape(ct.shape, d, n) for ct, d in zip(cts, dims, strict=True)]
         one = lambda g, d: reduce_gradient(g, d, comm, reduce_dtype)
-        out = reduce_leaves(cts, dims, shapes, one, n, comm.buffers)
+        out = reduce_leaves(cts, dims, one, comm.shard_size, comm.buffers)
         # a whole leaf's gradient is all-reduced alone: XLA combines all-reduces itself
         return tuple(one(g, None) if d is None else g for g, d in zip(out, dims, strict=True))
 

@@ -291,8 +291,7 @@ def _scatter(grads, dims, shards, ctx, scale):
             out[i] = g
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
     split = [d if d >= 0 else None for d in jax.tree_util.tree_leaves(dims)]
-    shapes = [x.shape for x in local]
-    out = reduce_leaves(out, split, shapes, reduce, ctx.comm.shard_size, ctx.comm.buffers)
+    out = reduce_leaves(out, split, reduce, ctx.comm.shard_size, ctx.comm.buffers)
     out = [unscale(g, scale, x.dtype) for g, x in zip(out, local, strict=True)]
     return jax.tree_util.tree_unflatten(tree, out)
 
