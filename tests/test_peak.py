@@ -81,11 +81,13 @@ def test_the_peak_is_accounted_for_by_category(stage, precision):
     assert "alive at the peak" in text and "parameters" in text and "of the compiled peak" in text
 
 
-def test_an_nnx_models_peak_is_accounted_for_too():
+@pytest.mark.parametrize("buffers", [False, True], ids=["leaf-by-leaf", "unit-buffers"])
+def test_an_nnx_models_peak_is_accounted_for_too(buffers):
     from tests.test_nnx_managed import make
     from tests.test_nnx_units import data, train_step
 
-    zero = zj.zero_shard(stage=3)
+    # unit_buffers: the leaves read out of a gathered buffer are gathered weights too
+    zero = zj.zero_shard(stage=3, unit_buffers=buffers)
     model, optimizer = zero.init(make(optax.adamw(1e-3)))
     rep = zero.report(zero(train_step), model, optimizer, data(1)[0])
     peak, cats = rep.peak, rep.peak.by_category()

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 LANES = 128  # a buffer is reduce-scattered as rows of this many elements (a TPU's tile width)
 ROWS = 16  # and each device's part padded to whole blocks of ROWS rows: else libtpu compiles
 # the reduce-scatter as an all-reduce and a slice, twice the bytes (measured on v5e:2x4)
+COPY_OUT = "unit_buffer_copy_out"  # the name scope of the leaves read out of a gathered buffer
 
 
 def _padded(size: int) -> int:
@@ -104,7 +106,10 @@ def gather_leaves(shards: list, dims: list, gather, buffers: bool) -> list:
             out[group[0]] = gather(shards[group[0]], dims[group[0]])
             continue
         parts = [(dims[i], shards[i]) for i in group]
-        for i, x in zip(group, _unpack_full(gather(_pack_shards(parts), 0), parts), strict=True):
+        gathered = gather(_pack_shards(parts), 0)
+        with jax.named_scope(COPY_OUT):  # the leaves read out are gathered weights too
+            leaves = _unpack_full(gathered, parts)
+        for i, x in zip(group, leaves, strict=True):
             out[i] = x
     return out
 

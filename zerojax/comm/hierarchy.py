@@ -112,7 +112,7 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
         grad_bits=cfg.quantized_gradients_bits if cfg.quantized_gradients else 0,
         grad_block=cfg.quantized_gradients_block,
         secondary=LOCAL if cfg.hpz_partition_size > 1 else None,
-        buffers=cfg.unit_buffers,
+        buffers=cfg.packs_unit_buffers(tuple(a for a, _ in tensor)),
     )
 
 

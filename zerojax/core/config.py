@@ -107,7 +107,8 @@ class ZeroConfig:
     unit), at the cost of copying the leaves out of the gathered buffer and the gradients into
     theirs, as FSDP2 does (a unit's weights exist twice for a moment: `bench/hlo_audit.py` and
     `bench/unit_collectives.py` measure both). Stages 1-2: the gradient reduce-scatter only;
-    stage 0: no effect."""
+    stage 0: no effect. Refused on a mesh with tensor-parallel axes: packing would gather the
+    model's own splits whole over them."""
 
     explicit_collectives: bool = True
     """Gather parameters and reduce gradients with explicit collectives around the model (a
@@ -469,6 +470,19 @@ class ZeroConfig:
     def shards_parameters(self) -> bool:
         """Stage 3: parameters rest split too, gathered where the model uses them."""
         return self.stage == 3
+
+    def packs_unit_buffers(self, tensor_axes: tuple[str, ...]) -> bool:
+        """`unit_buffers`, checked against the mesh: packing reshapes and concatenates leaves
+        the model splits over its tensor-parallel axes, so XLA would gather them whole there
+        (undoing the model's tensor parallelism, silently): refused."""
+        if self.unit_buffers and tensor_axes:
+            raise ZeroError(
+                f"unit_buffers=True on a mesh with tensor-parallel axes {list(tensor_axes)}: "
+                "packing a unit's leaves into one buffer would gather the model's own splits "
+                "whole over those axes. Leave unit_buffers=False there (one collective per "
+                "leaf)."
+            )
+        return self.unit_buffers
 
     @property
     def zeropp_options(self) -> list[tuple[str, str]]:

@@ -21,6 +21,8 @@ import math
 import os
 import re
 
+from zerojax.comm.flat import COPY_OUT
+
 CATEGORIES = (
     "parameters",
     "master weights",
@@ -295,8 +297,8 @@ class _Module:
                 return arg
             return "parameter copies" if arg == "parameters" else "state copies"
         last = op_name.rsplit("/", 1)[-1]
-        if opcode.startswith("all-gather") or last in _GATHER:
-            return "gathered weights"
+        if opcode.startswith("all-gather") or last in _GATHER or COPY_OUT in op_name:
+            return "gathered weights"  # (COPY_OUT: the leaves read out of a unit's buffer)
         if opcode.split("-start")[0].split("-done")[0] in _REDUCE or last in _REDUCE_NAMES:
             return "collective buffers"
         transform = next(
