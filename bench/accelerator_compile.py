@@ -17,9 +17,11 @@ kind, the bytes one chip sends per step, and of those the bytes sent while a mat
 (overlapped) or with nothing beside them (exposed), and the matmul FLOPs per chip with every
 scanned layer counted (`zerojax.inspect.hlo.matmul_flops`, read from the partitioned module).
 Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
-stage 3 with whole blocks as units and with `recompute_units=True`, MaxText (its FSDP rules,
-`remat_policy=full`), and the stage-3 shardings with `explicit_collectives=False`, where XLA's
-partitioner places every gather and reduction itself. Writes
+stage 3 with whole blocks as units, with `recompute_units=True` and with `unit_buffers=True`
+(one buffer per unit and dtype each way; attention and MLP apart, and whole blocks), MaxText
+(its FSDP rules, `remat_policy=full`), and the stage-3 shardings with
+`explicit_collectives=False`, where XLA's partitioner places every gather and reduction itself.
+Writes
 bench/results/accelerator_compile.json and .md.
 """
 
@@ -49,6 +51,10 @@ CONTENDERS = {  # name -> zero_shard options
     **{f"zerojax stage {s}": dict(stage=s, units=("Attention", "MLP")) for s in range(4)},
     "zerojax stage 3, block units": dict(stage=3, units=("Block",)),
     "zerojax stage 3, recompute": dict(stage=3, units=("Attention", "MLP"), recompute_units=True),
+    "zerojax stage 3, unit_buffers": dict(stage=3, units=("Attention", "MLP"), unit_buffers=True),
+    "zerojax stage 3, block units, unit_buffers": dict(
+        stage=3, units=("Block",), unit_buffers=True
+    ),
     "stage-3 shardings, XLA's placement": dict(stage=3, explicit_collectives=False),
 }
 
