@@ -5,7 +5,7 @@ per unit run, those under 64 KiB inside the layer loop, the all-gathers that wai
 computed value rather than only their stored shard, the bytes transposed or copied next to a
 collective against the bytes gathered (`zerojax.inspect.audit`), and the compiled peak.
 
-    python bench/hlo_audit.py [--models bench 125m] [--topology v5e:2x4]
+    python bench/hlo_audit.py [--models bench 125m] [--topology v5e:2x4] [--rows-per-device 8]
 
 Models: `bench` is bench/jax_lm.py's LM (4 scanned layers, d_model 256, batch 64), `125m` and
 `tiny` the example LM's presets (batch 8 per device). Rows: stages 0-3 with defaults (units
@@ -17,10 +17,14 @@ is compiled for 8 simulated CPU devices (XLA's CPU pipeline combines no collecti
 by libtpu for that TPU slice, ahead of time (Python >= 3.12, `pip install 'zerojax[tpu]'`).
 A TPU's optimized module wraps each collective in start and done fusions: with --topology the
 collectives are the scheduled program's (`Report.scheduled`, after the TPU's combiners; small
-ones counted per step), the dependencies are read from the partitioned module and the
-re-layout column is left out (a TPU lays weights out in tiles, not by transposes next to a
-collective). A row whose program does not fit the chip's memory says so. Writes
-bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
+ones counted per step), the dependencies are read from the partitioned module, the table adds
+the bytes one chip sends per step and of those the bytes sent while a matmul runs
+(`Report.overlap`), and the re-layout column is left out: this audit does not read through
+libtpu's collective fusions (its program does re-lay out gathered weights: at 125m each
+gathered q/k/v kernel is copied from the gather's tiled layout into the one its matmul reads).
+`--rows-per-device` sets the presets' batch (8 rows per device by default; another value
+prints the table and writes nothing). A row whose program does not fit the chip's memory says
+so. Writes bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
 """
 
 import argparse
@@ -56,11 +60,11 @@ ROWS = {  # name -> (zero_shard options, units per block)
 }
 
 
-def model(name: str):
-    """(LMConfig, global batch rows) of a model name."""
+def model(name: str, rows_per_device: int = 8):
+    """(LMConfig, global batch rows) of a model name (a preset's: `rows_per_device` x 8)."""
     if name == "bench":
         return lm_config(), SHAPE["batch"]
-    return LM_PRESETS[name], 8 * 8
+    return LM_PRESETS[name], rows_per_device * 8
 
 
 def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu: bool) -> dict:
@@ -99,7 +103,14 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
         run = launches(rep.scheduled)
         kinds = collections.Counter(kind for kind, _ in run)
         small = sum(nbytes < SMALL for _, nbytes in run)
-        row |= {"collectives": dict(kinds), "small": small, "relayout_bytes": None}
+        hidden, exposed = rep.overlap
+        row |= {
+            "collectives": dict(kinds),
+            "small": small,
+            "relayout_bytes": None,
+            "overlapped_bytes": hidden,
+            "sent_bytes": hidden + exposed,
+        }
     return row
 
 
@@ -107,7 +118,7 @@ def table(rows: dict, where: str, tpu: bool) -> str:
     body = []
     for (model, name), r in rows.items():
         if "does_not_fit" in r:
-            body.append([model, name, "-", r["does_not_fit"], *["-"] * 6])
+            body.append([model, name, "-", r["does_not_fit"], *["-"] * (7 if tpu else 6)])
             continue
         n = sum(r["collectives"].values())
         per_unit = f"{n / r['units_per_step']:.1f}" if r["units_per_step"] else "-"
@@ -127,6 +138,9 @@ def table(rows: dict, where: str, tpu: bool) -> str:
                 f"{r['peak_bytes'] / 2**20:.1f}",
             ]
         )
+        if tpu:
+            hidden, sent = r["overlapped_bytes"] / 2**20, r["sent_bytes"] / 2**20
+            body[-1].insert(-1, f"{hidden:.1f} / {sent:.1f}")
     headers = [
         "model",
         f"zerojax ({where})",
@@ -137,14 +151,15 @@ def table(rows: dict, where: str, tpu: bool) -> str:
         "under 64 KiB" + (" per step" if tpu else " in the loop"),
         "gathers not from storage",
         "MiB re-laid out / gathered",
+        *(["MiB overlapped / sent"] if tpu else []),
         "peak MiB",
     ]
     return markdown_table(headers, body)
 
 
-def measure(name: str, devices, where: str) -> dict:
+def measure(name: str, devices, where: str, rows_per_device: int = 8) -> dict:
     """{(model, row): figures} of one model (see the module docstring)."""
-    cfg, rows = model(name)
+    cfg, rows = model(name, rows_per_device)
     init_fn = make_init(LM(cfg), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
     batch = jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)
     plain = jax.jit(train_step).lower(jax.eval_shape(init_fn, jax.random.key(0)), batch)
@@ -166,6 +181,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", nargs="+", default=["bench", "125m"], choices=["bench", *LM_PRESETS])
     p.add_argument("--topology", help="a TPU slice to compile for, e.g. v5e:2x4")
+    p.add_argument(
+        "--rows-per-device",
+        type=int,
+        default=8,
+        help="batch rows per device of the preset models (not the bench LM's); other than 8 "
+        "the table is printed, not written",
+    )
     args = p.parse_args(argv)
     try:
         devices = zj.tpu_devices(args.topology) if args.topology else jax.devices()[:8]
@@ -175,9 +197,13 @@ def main(argv=None) -> int:
     where = f"{args.topology}, TPU compile" if args.topology else "8 CPU devices"
     results = {}
     for name in args.models:
-        results |= measure(name, devices, where)
+        results |= measure(name, devices, where, args.rows_per_device)
+    if args.rows_per_device != 8:
+        where += f", presets at {args.rows_per_device} rows per device"
     md = table(results, where, bool(args.topology))
     print(md)
+    if args.rows_per_device != 8:
+        return 0
     write_results(
         "hlo_audit_tpu" if args.topology else "hlo_audit",
         {"where": where, "rows": [{"model": m, "row": r, **v} for (m, r), v in results.items()]},
