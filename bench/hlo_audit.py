@@ -52,6 +52,7 @@ from zerojax.inspect.schedule import launches  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
+ROWS_PER_DEVICE = 8  # the presets' batch rows per device, as bench/results records them
 ROWS = {  # name -> (zero_shard options, units per block)
     **{f"stage {s}": (dict(stage=s), 1) for s in range(4)},
     "stage 3, recompute_units=True": (dict(stage=3, recompute_units=True), 1),
@@ -60,7 +61,7 @@ ROWS = {  # name -> (zero_shard options, units per block)
 }
 
 
-def model(name: str, rows_per_device: int = 8):
+def model(name: str, rows_per_device: int = ROWS_PER_DEVICE):
     """(LMConfig, global batch rows) of a model name (a preset's: `rows_per_device` x 8)."""
     if name == "bench":
         return lm_config(), SHAPE["batch"]
@@ -115,32 +116,6 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
 
 
 def table(rows: dict, where: str, tpu: bool) -> str:
-    body = []
-    for (model, name), r in rows.items():
-        if "does_not_fit" in r:
-            body.append([model, name, "-", r["does_not_fit"], *["-"] * (7 if tpu else 6)])
-            continue
-        n = sum(r["collectives"].values())
-        per_unit = f"{n / r['units_per_step']:.1f}" if r["units_per_step"] else "-"
-        body.append(
-            [
-                model,
-                name,
-                f"{r['flops_ratio']:.3f}",
-                ", ".join(f"{c} {k}" for k, c in sorted(r["collectives"].items())) or "none",
-                r["units_per_step"] or "-",
-                per_unit,
-                r["small"],
-                "-" if r["gathers_not_from_storage"] is None else r["gathers_not_from_storage"],
-                "-"
-                if r["relayout_bytes"] is None
-                else f"{r['relayout_bytes'] / 2**20:.1f} / {r['gathered_bytes'] / 2**20:.1f}",
-                f"{r['peak_bytes'] / 2**20:.1f}",
-            ]
-        )
-        if tpu:
-            hidden, sent = r["overlapped_bytes"] / 2**20, r["sent_bytes"] / 2**20
-            body[-1].insert(-1, f"{hidden:.1f} / {sent:.1f}")
     headers = [
         "model",
         f"zerojax ({where})",
@@ -154,10 +129,34 @@ def table(rows: dict, where: str, tpu: bool) -> str:
         *(["MiB overlapped / sent"] if tpu else []),
         "peak MiB",
     ]
+    mib = lambda b: f"{b / 2**20:.1f}"
+    body = []
+    for (model, name), r in rows.items():
+        if "does_not_fit" in r:
+            body.append([model, name, "-", r["does_not_fit"], *["-"] * (len(headers) - 4)])
+            continue
+        n = sum(r["collectives"].values())
+        per_unit = f"{n / r['units_per_step']:.1f}" if r["units_per_step"] else "-"
+        relayout = r["relayout_bytes"]
+        body.append(
+            [
+                model,
+                name,
+                f"{r['flops_ratio']:.3f}",
+                ", ".join(f"{c} {k}" for k, c in sorted(r["collectives"].items())) or "none",
+                r["units_per_step"] or "-",
+                per_unit,
+                r["small"],
+                "-" if r["gathers_not_from_storage"] is None else r["gathers_not_from_storage"],
+                "-" if relayout is None else f"{mib(relayout)} / {mib(r['gathered_bytes'])}",
+                *([f"{mib(r['overlapped_bytes'])} / {mib(r['sent_bytes'])}"] if tpu else []),
+                mib(r["peak_bytes"]),
+            ]
+        )
     return markdown_table(headers, body)
 
 
-def measure(name: str, devices, where: str, rows_per_device: int = 8) -> dict:
+def measure(name: str, devices, where: str, rows_per_device: int = ROWS_PER_DEVICE) -> dict:
     """{(model, row): figures} of one model (see the module docstring)."""
     cfg, rows = model(name, rows_per_device)
     init_fn = make_init(LM(cfg), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
@@ -184,7 +183,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--rows-per-device",
         type=int,
-        default=8,
+        default=ROWS_PER_DEVICE,
         help="batch rows per device of the preset models (not the bench LM's); other than 8 "
         "the table is printed, not written",
     )
@@ -198,11 +197,12 @@ def main(argv=None) -> int:
     results = {}
     for name in args.models:
         results |= measure(name, devices, where, args.rows_per_device)
-    if args.rows_per_device != 8:
+    recorded = args.rows_per_device == ROWS_PER_DEVICE
+    if not recorded:
         where += f", presets at {args.rows_per_device} rows per device"
     md = table(results, where, bool(args.topology))
     print(md)
-    if args.rows_per_device != 8:
+    if not recorded:
         return 0
     write_results(
         "hlo_audit_tpu" if args.topology else "hlo_audit",
