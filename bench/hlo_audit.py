@@ -2,8 +2,10 @@
 model and each stage with default options, the matmul FLOPs against a plain `jax.jit` step's
 (every scanned layer counted, `zerojax.inspect.hlo.matmul_flops`), the collectives per step and
 per unit run, those under 64 KiB inside the layer loop, the all-gathers that wait for a
-computed value rather than only their stored shard, the bytes transposed or copied next to a
-collective against the bytes gathered (`zerojax.inspect.audit`), and the compiled peak.
+computed value rather than only their stored shard, the bytes a collective's layout makes
+transposed or copied beside it against the bytes gathered, and apart from those the
+transposes a matmul reads or writes beside a collective (`zerojax.inspect.audit`), and the
+compiled peak.
 
     python bench/hlo_audit.py [--models bench 125m] [--topology v5e:2x4] [--rows-per-device 8]
 
@@ -98,6 +100,7 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
         ),
         "gathered_bytes": found.gathered_bytes,
         "relayout_bytes": found.relayout_bytes,
+        "matmul_transpose_bytes": found.matmul_transpose_bytes,
         "peak_bytes": rep.peak_bytes,
     }
     if tpu:
@@ -109,6 +112,7 @@ def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu
             "collectives": dict(kinds),
             "small": small,
             "relayout_bytes": None,
+            "matmul_transpose_bytes": None,
             "overlapped_bytes": hidden,
             "sent_bytes": hidden + exposed,
         }
@@ -125,7 +129,7 @@ def table(rows: dict, where: str, tpu: bool) -> str:
         "collectives per unit run",
         "under 64 KiB" + (" per step" if tpu else " in the loop"),
         "gathers not from storage",
-        "MiB re-laid out / gathered",
+        "MiB re-laid out / gathered (+ a matmul's transposes)",
         *(["MiB overlapped / sent"] if tpu else []),
         "peak MiB",
     ]
@@ -148,7 +152,10 @@ def table(rows: dict, where: str, tpu: bool) -> str:
                 per_unit,
                 r["small"],
                 "-" if r["gathers_not_from_storage"] is None else r["gathers_not_from_storage"],
-                "-" if relayout is None else f"{mib(relayout)} / {mib(r['gathered_bytes'])}",
+                "-"
+                if relayout is None
+                else f"{mib(relayout)} / {mib(r['gathered_bytes'])} "
+                f"(+{mib(r['matmul_transpose_bytes'])})",
                 *([f"{mib(r['overlapped_bytes'])} / {mib(r['sent_bytes'])}"] if tpu else []),
                 mib(r["peak_bytes"]),
             ]

@@ -2,7 +2,8 @@
 here, which all-gathers come from storage, what is counted once per loop iteration and what is
 re-laid out next to a collective; on an LM compiled for 8 devices, that only the recomputation
 asked for adds matmuls, and the false dependencies `prefetch` decides; on a user's scanned MLP,
-that a stack split past its layers is gathered without transposes."""
+that a stack split past its layers is gathered without transposes; on flax's attention, that
+only heads that do not divide the devices re-lay a kernel out around its collectives."""
 
 import flax.linen as nn
 import jax
@@ -19,9 +20,11 @@ from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LMConfig
 
 GROUP = "replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}"
+GROUP_ACROSS = GROUP.replace("dimensions={0}", "dimensions={1}")
 # A two-iteration loop over a stacked weight `w` (invariant) carrying an activation `x`: one
 # gather of this layer's slice of `w` (from storage), one of that slice plus `x` (it waits for
-# the activation) whose result is transposed; in the entry, a gather of a matmul's result.
+# the activation) whose result a matmul reads transposed, one of the slice along its second
+# dim, copied back to row-major; in the entry, a gather of a matmul's result.
 MODULE = f"""HloModule audited
 
 %body (p: (s32[], f32[4,8], f32[2,4,8])) -> (s32[], f32[4,8], f32[2,4,8]) {{
@@ -38,6 +41,8 @@ MODULE = f"""HloModule audited
   %t = f32[8,32]{{1,0}} transpose(%waiting), dimensions={{1,0}}
   %y = f32[4,32]{{1,0}} dot(%x, %t), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
   %y2 = f32[4,8]{{1,0}} slice(%y), slice={{[0:4], [0:8]}}
+  %wide = f32[4,64]{{0,1}} all-gather(%shard), {GROUP_ACROSS}
+  %rows = f32[4,64]{{1,0}} copy(%wide)
   %one = s32[] constant(1)
   %next = s32[] add(%i, %one)
   ROOT %out = (s32[], f32[4,8], f32[2,4,8]) tuple(%next, %y2, %w)
@@ -66,14 +71,17 @@ ENTRY %main (a: f32[4,8], b: f32[2,4,8]) -> f32[32,8] {{
 
 def test_an_audit_reads_dependencies_loops_and_relayouts():
     found = audit(MODULE, 8)
-    # the loop runs twice: its two gathers count twice, the entry's once
-    assert found.collectives == {"all-gather": 5}
-    assert found.gathered_bytes == 5 * 32 * 8 * 4
-    assert found.small_in_loops == 4  # 1 KiB each, inside the loop
-    # the slice of the invariant stack (its index a counter) comes from storage; the one
+    # the loop runs twice: its three gathers count twice, the entry's once
+    assert found.collectives == {"all-gather": 7}
+    assert found.gathered_bytes == 7 * 32 * 8 * 4
+    assert found.small_in_loops == 6  # 1 KiB each, inside the loop
+    # the slices of the invariant stack (its index a counter) come from storage; the one
     # plus the carried activation and the matmul's result do not
     assert sorted(found.gathers_not_from_storage) == ["computed", "waiting"]
-    assert found.relayout_bytes == 2 * 8 * 32 * 4  # the transpose after `waiting`, twice
+    # `wide` lays its shards out by its second dim: copying it back is the gather's cost;
+    # `waiting` gathers blocks of rows: its transpose is the matmul's (a plain step's too)
+    assert found.relayout_bytes == 2 * 4 * 64 * 4
+    assert found.matmul_transpose_bytes == 2 * 8 * 32 * 4
 
 
 CFG = LMConfig(vocab=64, d_model=64, n_layers=2, n_heads=2, d_ff=128, seq_len=16)
@@ -165,6 +173,47 @@ def test_a_stacks_weights_are_gathered_without_a_transpose(rules, most):
     found = audit(zero(_mlp_step).lower(state, batch).compile().as_text(), 8)
     share = found.relayout_bytes / found.gathered_bytes
     assert share < most if most else share > 0.5, share
+
+
+class SelfAttention(nn.Module):
+    """A user's attention layer: flax's multi-head attention, kernels `[64, heads, 64 / heads]`
+    (query, key, value) and `[heads, 64 / heads, 64]` (out)."""
+
+    heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads, qkv_features=64)(x)
+        return nn.Dense(8)(x.mean(1))
+
+
+@pytest.mark.parametrize("heads", [8, 4])
+def test_attention_is_re_laid_out_only_where_its_heads_do_not_divide(heads):
+    # with 8 heads over 8 devices every kernel is split on its first dim: nothing is re-laid
+    # out for a collective (what is transposed beside one is for a matmul, counted apart);
+    # with 4 the out kernel is split on head_dim, and the plan says each gather re-lays it out
+    def init(key):
+        model = SelfAttention(heads)
+        params = model.init(key, jnp.zeros((1, 8, 64)))["params"]
+        return train_state.TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adam(1e-3)
+        )
+
+    batch = (
+        jax.ShapeDtypeStruct((16, 8, 64), jnp.float32),
+        jax.ShapeDtypeStruct((16, 8), jnp.float32),
+    )
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    state = zero.eval_shape(init, jax.random.key(0))
+    found = audit(zero(_mlp_step).lower(state, batch).compile().as_text(), 8)
+    reason = zero.layout(state).params["MultiHeadDotProductAttention_0/out/kernel"].reason
+    assert found.matmul_transpose_bytes > 0
+    if heads == 8:
+        assert found.relayout_bytes == 0
+        assert reason == "sharded dim 0"
+    else:
+        assert found.relayout_bytes >= 2 * 64 * 64 * 4  # its gather and its reduce-scatter
+        assert "re-laid out around each collective: dim 0 (4) does not divide by 8" in reason
 
 
 def test_a_collective_moving_two_arrays_counts_once():

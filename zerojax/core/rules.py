@@ -170,6 +170,14 @@ def split_spec(
         return tensor.spec(), f"replicated: no dim divides by {n}"
     dim = max(divisible, key=lambda d: (tensor.axes[d] is None, d > 0 or not stacked, -d))
     why = " (dim 0: a stack's layers)" if stacked and dim > 0 else ""
+    # a split past a layer's first dim (of size > 1) is not a block of rows: XLA lays the
+    # gathered shards out by that dim, and copies them back around every collective
+    first = next((d for d in range(int(stacked), ndim) if shape[d] > 1), dim)
+    if dim > first and local[first] % n:
+        why += (
+            f"; re-laid out around each collective: dim {first} ({local[first]}) does not "
+            f"divide by {n}"
+        )
     return tensor.spec(dim, axis), f"sharded dim {dim}{why}"
 
 

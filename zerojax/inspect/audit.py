@@ -7,6 +7,14 @@ sliced or concatenated next to a collective (a weight split on a dimension other
 first is re-laid out before and after every gather and reduce-scatter; leaves packed into one
 buffer are copied in, and read back out of the gathered buffer).
 
+A transpose between a matmul and a collective that moves blocks of rows (`splits_rows`) is
+the matmul's, not the collective's: a plain `jax.jit` step transposes the stored leaf the same
+way (XLA:CPU lays each attention q/k/v kernel `[d, heads, head_dim]` out as
+`[heads * head_dim, d]` for backward's input gradient, and writes its weight gradient
+transposed). Those bytes are counted apart (`matmul_transpose_bytes`). A move beside a
+collective split past its array's first dimension, or one that copies, slices or concatenates
+without transposing, is the collective's.
+
 Every count is per execution of the module: an instruction in a scanned loop's body counts
 once per iteration (`hlo.runs`). An all-gather's operand is followed back through every
 instruction that computes it; it "comes from storage" when that ancestry reaches only the
@@ -28,7 +36,9 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-#]+)\s*=\s*(.*)$")
 _CALLEE = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
 _INDEX = re.compile(r"index=(\d+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
-COMPUTES = frozenset({"dot", "convolution", "gather", "scatter", "reduce-window"})
+_DIMENSION = re.compile(r"dimensions=\{(\d+)\}")
+MATMULS = frozenset({"dot", "convolution"})
+COMPUTES = MATMULS | {"gather", "scatter", "reduce-window"}
 RELAYOUTS = frozenset({"transpose", "copy", "slice", "concatenate"})
 PLUMBING = frozenset({"parameter", "constant", "bitcast", "reshape", "broadcast", "tuple"})
 GATHERS = frozenset({"all-gather", "all-gather-start"})
@@ -59,6 +69,17 @@ def _number(pattern: re.Pattern, line: str) -> int:
     """The number `pattern` reads from `line` (a tuple index, a parameter's), -1 if none."""
     m = pattern.search(line)
     return int(m.group(1)) if m else -1
+
+
+def splits_rows(instr: Instruction) -> bool:
+    """Whether a collective gathers or scatters blocks of its array's rows: every dimension
+    before its `dimensions={k}` has size 1 (an all-reduce moves its array whole). Then its
+    shards lie end to end in the array's row-major order and it needs no re-layout."""
+    k = _number(_DIMENSION, instr.line)
+    shapes = re.findall(r"\[([\d,]*)\]", instr.result)
+    if k <= 0 or not shapes:
+        return True
+    return all(int(d) == 1 for d in shapes[0].split(",")[:k])
 
 
 def _closing(text: str, start: int) -> int:
@@ -96,7 +117,8 @@ class Audit:
     small_in_loops: int  # executions per step of collectives under SMALL inside a loop body
     gathers_not_from_storage: tuple[str, ...]  # all-gathers waiting for a computed value
     gathered_bytes: int  # all-gather results, per step
-    relayout_bytes: int  # data moves (RELAYOUTS) feeding or fed by a collective, per step
+    relayout_bytes: int  # data moves (RELAYOUTS) a collective's layout makes, per step
+    matmul_transpose_bytes: int  # transposes between a collective and a matmul, per step
 
 
 class _Module:
@@ -184,6 +206,20 @@ class _Module:
         ops = self.opcodes(instr)
         return instr.bytes if ops & RELAYOUTS and ops <= RELAYOUTS | PLUMBING else 0
 
+    def for_matmul(self, move: Instruction, collective: Instruction, reads: list) -> bool:
+        """Whether `move`, beside `collective`, is a matmul's transpose (see the module
+        docstring): it transposes and neither slices nor concatenates, the collective moves
+        blocks of rows, and `reads` (the move's users after a gather, its operands before a
+        reduction) are all matmuls."""
+        ops = self.opcodes(move)
+        return (
+            "transpose" in ops
+            and not ops & {"slice", "concatenate"}
+            and splits_rows(collective)
+            and bool(reads)
+            and all(self.opcodes(r) & MATMULS for r in reads)
+        )
+
 
 def audit(hlo_text: str, num_devices: int) -> Audit:
     """The `Audit` of a compiled HLO module (the optimized program, what the device runs:
@@ -191,7 +227,7 @@ def audit(hlo_text: str, num_devices: int) -> Audit:
     module = _Module(hlo_text)
     counts: dict[str, int] = {}
     sizes: dict[str, int] = {}
-    small = relayout = 0
+    small = relayout = matmul = 0
     not_stored = []
     for comp, instrs in module.comps.items():
         times = module.times.get(comp, 0)
@@ -204,11 +240,21 @@ def audit(hlo_text: str, num_devices: int) -> Audit:
                 small += times if times > 1 and nbytes < SMALL else 0
             if instr.opcode not in GATHERS | REDUCTIONS:
                 continue
-            around = [module.comps[comp].get(o) for o in instr.operands[:1]]
+            source = module.comps[comp].get(instr.operands[0]) if instr.operands else None
+            around: list[tuple[Instruction, list]] = []  # (one beside it, what that one reads)
+            if source is not None:
+                inputs = [module.comps[comp].get(o) for o in source.operands]
+                around.append((source, [i for i in inputs if i is not None]))
             for user in module.users.get((comp, instr.name), []):  # an async one's: its -done's
                 done = user.opcode.endswith("-done")
-                around += module.users.get((comp, user.name), []) if done else [user]
-            relayout += times * sum(module.relayout(i) for i in around if i is not None)
+                for near in module.users.get((comp, user.name), []) if done else [user]:
+                    around.append((near, module.users.get((comp, near.name), [])))
+            for near, reads in around:
+                copied = times * module.relayout(near)
+                if module.for_matmul(near, instr, reads):
+                    matmul += copied
+                else:
+                    relayout += copied
             if instr.opcode in GATHERS and any(module.computed(comp, o) for o in instr.operands):
                 not_stored.append(instr.name)
     return Audit(
@@ -218,4 +264,5 @@ def audit(hlo_text: str, num_devices: int) -> Audit:
         gathers_not_from_storage=tuple(not_stored),
         gathered_bytes=sizes.get("all-gather", 0),
         relayout_bytes=relayout,
+        matmul_transpose_bytes=matmul,
     )
