@@ -12,9 +12,10 @@ it was) unless `--without-maxtext` is given.
 The model is bench/jax_lm.py's (4 layers, d_model 256, SwiGLU 688, vocab 256, seq 128, global
 batch 64, fp32, clip + AdamW); each contender's train step is compiled ahead of time for the
 slice by libtpu and read (`zero.report`): per-chip peak (arguments + temporaries), the
-collectives of the scheduled program (after the TPU's combiners, in the dtypes it chose) by
-kind, the bytes one chip sends per step, and of those the bytes sent while a matmul runs
-(overlapped) or with nothing beside them (exposed), and the matmul FLOPs per chip with every
+collectives the scheduled program launches (after the TPU's combiners, in the dtypes it chose;
+one that moves several arrays counts once) by kind, the bytes one chip sends per step, and of
+those the bytes sent while a matmul runs (overlapped) or with nothing beside them (exposed),
+the reduce-scatters' overlapped and sent bytes, and the matmul FLOPs per chip with every
 scanned layer counted (`zerojax.inspect.hlo.matmul_flops`, read from the partitioned module).
 Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
 stage 3 with whole blocks as units, with `recompute_units=True` and with `unit_buffers=True`
@@ -44,6 +45,7 @@ from benchlib import markdown_table, run_with_devices, write_results  # noqa: E4
 from jax_lm import SHAPE, lm_config  # noqa: E402
 
 import zerojax as zj  # noqa: E402
+from zerojax.inspect.schedule import launches, overlap_bytes  # noqa: E402
 from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM  # noqa: E402
 
@@ -69,8 +71,9 @@ def measure(topology: str) -> list[dict]:
         zero = zj.zero_shard(mesh=zj.make_mesh(devices), precision="fp32", **options)
         state = zero.eval_shape(init_fn, jax.random.key(0))
         rep = zero.report(zero(train_step), state, batch)
-        kinds = collections.Counter(s.collective.kind for s in rep.scheduled)
+        kinds = collections.Counter(kind for kind, _ in launches(rep.scheduled))
         hidden, exposed = rep.overlap
+        rs_hidden, rs_exposed = overlap_bytes(rep.scheduled, "reduce-scatter")
         rows.append(
             {
                 "contender": name,
@@ -81,6 +84,7 @@ def measure(topology: str) -> list[dict]:
                 "sent_bytes": hidden + exposed,
                 "overlapped_bytes": hidden,
                 "exposed_bytes": exposed,
+                "reduce_scatter_bytes": [rs_hidden, rs_hidden + rs_exposed],
                 "matmul_flops": rep.matmul_flops,
             }
         )
@@ -99,6 +103,7 @@ def table(rows: list[dict], topology: str) -> str:
             mib(r["sent_bytes"]),
             mib(r["overlapped_bytes"]),
             mib(r["exposed_bytes"]),
+            " / ".join(mib(b) for b in r["reduce_scatter_bytes"]),
             f"{r['matmul_flops'] / 1e9:.2f}",
         ]
         for r in rows
@@ -107,10 +112,11 @@ def table(rows: list[dict], topology: str) -> str:
         f"contender ({topology})",
         "peak (MiB/chip)",
         "at rest (MiB/chip)",
-        "collectives per step (scheduled)",
+        "collective launches per step (scheduled)",
         "sent (MiB/chip)",
         "overlapped",
         "exposed",
+        "of it reduce-scattered: overlapped / sent",
         "matmul GFLOP/chip",
     ]
     return markdown_table(headers, body)

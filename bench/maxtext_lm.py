@@ -32,7 +32,7 @@ from jax_lm import SHAPE  # noqa: E402
 
 from zerojax.inspect.hlo import matmul_flops  # noqa: E402
 from zerojax.inspect.report import compile_with_partitioned_hlo  # noqa: E402
-from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives  # noqa: E402
+from zerojax.inspect.schedule import launches, overlap_bytes, scheduled_collectives  # noqa: E402
 
 
 def maxtext_argv(topology: str, chips: int) -> list[str]:
@@ -125,16 +125,18 @@ def maxtext_row(topology: str) -> dict:
     mem = got["compiled"].memory_analysis()
     scheduled = scheduled_collectives(got["compiled"].as_text(), chips)
     hidden, exposed = overlap_bytes(scheduled)
+    rs_hidden, rs_exposed = overlap_bytes(scheduled, "reduce-scatter")
     return {
         "contender": f"MaxText {importlib.metadata.version('maxtext')} FSDP, remat full",
         "params": got["params"],
         "peak_bytes": int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),
         "at_rest_bytes": got["at_rest_bytes"],
         "collectives": dict(
-            sorted(collections.Counter(s.collective.kind for s in scheduled).items())
+            sorted(collections.Counter(kind for kind, _ in launches(scheduled)).items())
         ),
         "sent_bytes": hidden + exposed,
         "overlapped_bytes": hidden,
         "exposed_bytes": exposed,
+        "reduce_scatter_bytes": [rs_hidden, rs_hidden + rs_exposed],
         "matmul_flops": matmul_flops(got["partitioned"]),
     }

@@ -107,6 +107,8 @@ def test_xla_async_pairs_overlap_when_a_matmul_runs_between():
         + [("all-gather", True, 7 / 8 * 256)] * 2 * 3  # the loop's two, 3 iterations
     )
     assert overlap_bytes(found) == pytest.approx((6 * 224, 448 + 224))
+    assert overlap_bytes(found, "all-gather") == pytest.approx((6 * 224, 0))
+    assert overlap_bytes(found, "reduce-scatter") == pytest.approx((0, 224))
 
 
 def test_tpu_async_collective_fusions_and_its_fused_reduce_scatter():

@@ -178,7 +178,9 @@ def _done_of(name: str, op: str, rhs: str) -> str | None:
     return None
 
 
-def overlap_bytes(scheduled: list[Scheduled]) -> tuple[float, float]:
-    """(bytes one device sends in overlapped collectives, in exposed ones) per step."""
-    hidden = sum(s.collective.sent_bytes for s in scheduled if s.overlapped)
-    return hidden, sum(s.collective.sent_bytes for s in scheduled) - hidden
+def overlap_bytes(scheduled: list[Scheduled], kind: str | None = None) -> tuple[float, float]:
+    """(bytes one device sends in overlapped collectives, in exposed ones) per step; of one
+    `kind` ('reduce-scatter', ...) only, when given."""
+    chosen = [s for s in scheduled if kind in (None, s.collective.kind)]
+    hidden = sum(s.collective.sent_bytes for s in chosen if s.overlapped)
+    return hidden, sum(s.collective.sent_bytes for s in chosen) - hidden
