@@ -8,6 +8,7 @@ transposes a matmul reads or writes beside a collective (`zerojax.inspect.audit`
 compiled peak.
 
     python bench/hlo_audit.py [--models bench 125m] [--topology v5e:2x4] [--rows-per-device 8]
+                              [--devices 8]
 
 Models: `bench` is bench/jax_lm.py's LM (4 scanned layers, d_model 256, batch 64), `125m` and
 `tiny` the example LM's presets (batch 8 per device). Rows: stages 0-3 with defaults (units
@@ -24,9 +25,10 @@ the bytes one chip sends per step and of those the bytes sent while a matmul run
 (`Report.overlap`), and the re-layout column is left out: this audit does not read through
 libtpu's collective fusions (its program does re-lay out gathered weights: at 125m each
 gathered q/k/v kernel is copied from the gather's tiled layout into the one its matmul reads).
-`--rows-per-device` sets the presets' batch (8 rows per device by default; another value
-prints the table and writes nothing). A row whose program does not fit the chip's memory says
-so. Writes bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
+`--rows-per-device` sets the presets' batch (8 rows per device by default) and `--devices` the
+number of simulated CPU devices (8 by default, or 2 or 4): another value of either prints the
+table and writes nothing. A row whose program does not fit the chip's memory says so.
+Writes bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
 """
 
 import argparse
@@ -55,6 +57,7 @@ from zerojax.models.gpt import make_init, train_step  # noqa: E402
 from zerojax.models.lm import LM, LM_PRESETS  # noqa: E402
 
 ROWS_PER_DEVICE = 8  # the presets' batch rows per device, as bench/results records them
+DEVICES = 8  # the devices bench/results records
 ROWS = {  # name -> (zero_shard options, units per block)
     **{f"stage {s}": (dict(stage=s), 1) for s in range(4)},
     "stage 3, recompute_units=True": (dict(stage=3, recompute_units=True), 1),
@@ -63,11 +66,12 @@ ROWS = {  # name -> (zero_shard options, units per block)
 }
 
 
-def model(name: str, rows_per_device: int = ROWS_PER_DEVICE):
-    """(LMConfig, global batch rows) of a model name (a preset's: `rows_per_device` x 8)."""
+def model(name: str, rows_per_device: int = ROWS_PER_DEVICE, devices: int = DEVICES):
+    """(LMConfig, global batch rows) of a model name (a preset's: `rows_per_device` x
+    `devices`)."""
     if name == "bench":
         return lm_config(), SHAPE["batch"]
-    return LM_PRESETS[name], rows_per_device * 8
+    return LM_PRESETS[name], rows_per_device * devices
 
 
 def audit_row(zero, init_fn, batch, plain_flops: float, units_per_step: int, tpu: bool) -> dict:
@@ -165,7 +169,7 @@ def table(rows: dict, where: str, tpu: bool) -> str:
 
 def measure(name: str, devices, where: str, rows_per_device: int = ROWS_PER_DEVICE) -> dict:
     """{(model, row): figures} of one model (see the module docstring)."""
-    cfg, rows = model(name, rows_per_device)
+    cfg, rows = model(name, rows_per_device, len(devices))
     init_fn = make_init(LM(cfg), optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
     batch = jax.ShapeDtypeStruct((rows, cfg.seq_len + 1), jnp.int32)
     plain = jax.jit(train_step).lower(jax.eval_shape(init_fn, jax.random.key(0)), batch)
@@ -194,17 +198,27 @@ def main(argv=None) -> int:
         help="batch rows per device of the preset models (not the bench LM's); other than 8 "
         "the table is printed, not written",
     )
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=DEVICES,
+        choices=[2, 4, 8],
+        help="simulated CPU devices (not with --topology); other than 8 the table is printed, "
+        "not written",
+    )
     args = p.parse_args(argv)
+    if args.topology and args.devices != DEVICES:
+        p.error("--devices is for the CPU lane; with --topology the slice sets the devices")
     try:
-        devices = zj.tpu_devices(args.topology) if args.topology else jax.devices()[:8]
+        devices = zj.tpu_devices(args.topology) if args.topology else jax.devices()[: args.devices]
     except zj.ZeroError as e:  # no libtpu, or a topology it does not know
         print(f"hlo_audit: {e}", file=sys.stderr)
         return 2
-    where = f"{args.topology}, TPU compile" if args.topology else "8 CPU devices"
+    where = f"{args.topology}, TPU compile" if args.topology else f"{args.devices} CPU devices"
     results = {}
     for name in args.models:
         results |= measure(name, devices, where, args.rows_per_device)
-    recorded = args.rows_per_device == ROWS_PER_DEVICE
+    recorded = args.rows_per_device == ROWS_PER_DEVICE and args.devices == DEVICES
     if not recorded:
         where += f", presets at {args.rows_per_device} rows per device"
     md = table(results, where, bool(args.topology))
