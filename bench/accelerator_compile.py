@@ -61,6 +61,22 @@ CONTENDERS = {  # name -> zero_shard options
 }
 
 
+def schedule_figures(scheduled) -> dict:
+    """A row's figures read from its scheduled collectives (`zerojax.inspect.schedule`):
+    launches by kind, bytes sent, overlapped and exposed, and the reduce-scatters' overlapped
+    and sent bytes."""
+    hidden, exposed = overlap_bytes(scheduled)
+    rs_hidden, rs_exposed = overlap_bytes(scheduled, "reduce-scatter")
+    kinds = collections.Counter(kind for kind, _ in launches(scheduled))
+    return {
+        "collectives": dict(sorted(kinds.items())),
+        "sent_bytes": hidden + exposed,
+        "overlapped_bytes": hidden,
+        "exposed_bytes": exposed,
+        "reduce_scatter_bytes": [rs_hidden, rs_hidden + rs_exposed],
+    }
+
+
 def measure(topology: str) -> list[dict]:
     devices = zj.tpu_devices(topology)
     cfg = lm_config()
@@ -71,20 +87,13 @@ def measure(topology: str) -> list[dict]:
         zero = zj.zero_shard(mesh=zj.make_mesh(devices), precision="fp32", **options)
         state = zero.eval_shape(init_fn, jax.random.key(0))
         rep = zero.report(zero(train_step), state, batch)
-        kinds = collections.Counter(kind for kind, _ in launches(rep.scheduled))
-        hidden, exposed = rep.overlap
-        rs_hidden, rs_exposed = overlap_bytes(rep.scheduled, "reduce-scatter")
         rows.append(
             {
                 "contender": name,
                 "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
                 "peak_bytes": rep.peak_bytes,
                 "at_rest_bytes": sum(rep.resident.values()),
-                "collectives": dict(sorted(kinds.items())),
-                "sent_bytes": hidden + exposed,
-                "overlapped_bytes": hidden,
-                "exposed_bytes": exposed,
-                "reduce_scatter_bytes": [rs_hidden, rs_hidden + rs_exposed],
+                **schedule_figures(rep.scheduled),
                 "matmul_flops": rep.matmul_flops,
             }
         )

@@ -17,7 +17,6 @@ a Pallas kernel, as zerojax's LM), FSDP over all chips (MaxText's default mesh r
 
 from __future__ import annotations
 
-import collections
 import importlib.metadata
 import math
 import os
@@ -28,11 +27,12 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # only compiling: no TPU VM me
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import jax  # noqa: E402
+from accelerator_compile import schedule_figures  # noqa: E402
 from jax_lm import SHAPE  # noqa: E402
 
 from zerojax.inspect.hlo import matmul_flops  # noqa: E402
 from zerojax.inspect.report import compile_with_partitioned_hlo  # noqa: E402
-from zerojax.inspect.schedule import launches, overlap_bytes, scheduled_collectives  # noqa: E402
+from zerojax.inspect.schedule import scheduled_collectives  # noqa: E402
 
 
 def maxtext_argv(topology: str, chips: int) -> list[str]:
@@ -124,19 +124,11 @@ def maxtext_row(topology: str) -> dict:
     got = compile_maxtext(topology, chips)
     mem = got["compiled"].memory_analysis()
     scheduled = scheduled_collectives(got["compiled"].as_text(), chips)
-    hidden, exposed = overlap_bytes(scheduled)
-    rs_hidden, rs_exposed = overlap_bytes(scheduled, "reduce-scatter")
     return {
         "contender": f"MaxText {importlib.metadata.version('maxtext')} FSDP, remat full",
         "params": got["params"],
         "peak_bytes": int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),
         "at_rest_bytes": got["at_rest_bytes"],
-        "collectives": dict(
-            sorted(collections.Counter(kind for kind, _ in launches(scheduled)).items())
-        ),
-        "sent_bytes": hidden + exposed,
-        "overlapped_bytes": hidden,
-        "exposed_bytes": exposed,
-        "reduce_scatter_bytes": [rs_hidden, rs_hidden + rs_exposed],
+        **schedule_figures(scheduled),
         "matmul_flops": matmul_flops(got["partitioned"]),
     }
