@@ -20,7 +20,7 @@ scanned layer counted (`zerojax.inspect.hlo.matmul_flops`, read from the partiti
 Contenders: zerojax stages 0-3 with the units `zerojax plan` uses (attention and MLP apart),
 stage 3 with whole blocks as units, with `recompute_units=True` and with `unit_buffers=True`
 (one buffer per unit and dtype each way; attention and MLP apart, and whole blocks), MaxText
-(its FSDP rules, `remat_policy=full`), and the stage-3 shardings with
+(its FSDP rules, `remat_policy=full` and `minimal`), and the stage-3 shardings with
 `explicit_collectives=False`, where XLA's partitioner places every gather and reduction itself.
 Writes
 bench/results/accelerator_compile.json and .md.
@@ -150,7 +150,9 @@ def main(argv=None) -> int:
         return 2
     versions = {"jax": jax.__version__, "libtpu": importlib.metadata.version("libtpu")}
     if not args.without_maxtext:
-        rows.insert(-1, run_with_devices(1, "maxtext_lm", f"maxtext_row({args.topology!r})"))
+        for remat in ("full", "minimal"):
+            call = f"maxtext_row({args.topology!r}, {remat!r})"
+            rows.insert(-1, run_with_devices(1, "maxtext_lm", call))
         versions["maxtext"] = importlib.metadata.version("maxtext")
     md = table(rows, args.topology)
     print(md)

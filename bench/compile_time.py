@@ -4,7 +4,8 @@ time grows with depth; a scanned stack is traced once), a plain `jax.jit` step o
 against zerojax stages 0 and 3 with defaults and stage 3 with `recompute_units=True`, and
 stages 0 and 3 with `explicit_collectives=False` (XLA's partitioner inserts the collectives), on
 8 simulated devices. Each measurement is a fresh process (no cache of an earlier compile), the
-contenders alternated round after round; figures are medians with the spread.
+contenders alternated round after round; figures are medians with the spread. The compiled
+peak per device (arguments + temporaries, exact) is printed beside them.
 
     python bench/compile_time.py [--rounds 3] [--layers 8]
 
@@ -30,7 +31,8 @@ CONTENDERS = {  # name -> zero_shard options, None: plain jax.jit
 
 
 def compile_seconds(options: dict | None, layers: int) -> dict:
-    """{'trace': s, 'compile': s} of one contender's first step, in this (fresh) process."""
+    """{'trace': s, 'compile': s, 'peak': bytes} of one contender's first step, in this (fresh)
+    process."""
     import time
 
     import jax
@@ -53,8 +55,11 @@ def compile_seconds(options: dict | None, layers: int) -> dict:
     start = time.perf_counter()
     lowered = step.lower(state, batch)
     traced = time.perf_counter()
-    lowered.compile()
-    return {"trace": traced - start, "compile": time.perf_counter() - traced}
+    compiled = lowered.compile()
+    done = time.perf_counter()
+    mem = compiled.memory_analysis()
+    peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes
+    return {"trace": traced - start, "compile": done - traced, "peak": peak}
 
 
 def main(argv=None) -> int:
@@ -86,6 +91,7 @@ def main(argv=None) -> int:
                 "total": whole,
                 "ratio": whole / base,
                 "totals": [total(t) for t in got],
+                "peak_bytes": got[0]["peak"],
             }
         )
         spread = f"{min(total(t) for t in got):.2f}-{max(total(t) for t in got):.2f}"
@@ -96,6 +102,7 @@ def main(argv=None) -> int:
                 f"{med['compile']:.2f}",
                 f"{whole:.2f} ({spread})",
                 f"{whole / base:.2f}",
+                f"{got[0]['peak'] / 2**20:.1f}",
             ]
         )
         print(f"{name:<40} {whole:6.2f} s  x{whole / base:.2f}")
@@ -105,6 +112,7 @@ def main(argv=None) -> int:
         "compile s",
         "total s (spread)",
         "vs plain jit",
+        "peak MiB/device",
     ]
     write_results("compile_time", rows, markdown=markdown_table(headers, body))
     return 0

@@ -11,8 +11,10 @@ bench/accelerator_compile.py are compiled in the same environment, by the same c
 
 The model is MaxText's llama2 decoder at bench/jax_lm.py's SHAPE (pre-norm RMSNorm, 4 heads of
 64, SwiGLU, untied head: the same 3,295,488 parameters as zerojax's LM), fp32 weights and
-activations, AdamW with clipping at 1.0, `remat_policy=full`, plain dot-product attention (not
-a Pallas kernel, as zerojax's LM), FSDP over all chips (MaxText's default mesh rules).
+activations, AdamW with clipping at 1.0, plain dot-product attention (not a Pallas kernel, as
+zerojax's LM), FSDP over all chips (MaxText's default mesh rules); `remat_policy=full`
+(recompute each layer, as zerojax's `recompute_units=True`) or `minimal` (keep the layer's
+projections' and MLP's matmul outputs, as zerojax's default keeps its activations).
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from zerojax.inspect.report import compile_with_partitioned_hlo  # noqa: E402
 from zerojax.inspect.schedule import scheduled_collectives  # noqa: E402
 
 
-def maxtext_argv(topology: str, chips: int) -> list[str]:
-    """train_compile's command line for SHAPE on `chips` chips of `topology` (e.g. v5e:2x4)."""
+def maxtext_argv(topology: str, chips: int, remat: str) -> list[str]:
+    """train_compile's command line for SHAPE on `chips` chips of `topology` (e.g. v5e:2x4)
+    with MaxText's `remat_policy=remat`."""
     import maxtext
 
     base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
@@ -57,7 +60,7 @@ def maxtext_argv(topology: str, chips: int) -> list[str]:
         f"per_device_batch_size={SHAPE['batch'] // chips}",
         "dtype=float32",
         "weight_dtype=float32",
-        "remat_policy=full",
+        f"remat_policy={remat}",
         "attention=dot_product",
         "opt_type=adamw",
         "gradient_clipping_threshold=1.0",
@@ -67,7 +70,7 @@ def maxtext_argv(topology: str, chips: int) -> list[str]:
     ]
 
 
-def compile_maxtext(topology: str, chips: int) -> dict:
+def compile_maxtext(topology: str, chips: int, remat: str) -> dict:
     """{'compiled', 'partitioned' (HLO text after SPMD partitioning), 'params', 'at_rest_bytes'}
     of MaxText's train step, from `train_compile.main` with its compile step replaced by one
     that also keeps the partitioned module (MaxText's steps otherwise: jit with its shardings
@@ -111,21 +114,22 @@ def compile_maxtext(topology: str, chips: int) -> dict:
     original = train_compile.jit_and_compile
     train_compile.jit_and_compile = jit_and_compile
     try:
-        train_compile.main(maxtext_argv(topology, chips))
+        train_compile.main(maxtext_argv(topology, chips, remat))
     finally:
         train_compile.jit_and_compile = original
     return kept
 
 
-def maxtext_row(topology: str) -> dict:
-    """bench/accelerator_compile.py's row for MaxText, read as `zero.report` reads zerojax's
-    step (run in its own process: MaxText sets process-wide jax options, e.g. its PRNG)."""
+def maxtext_row(topology: str, remat: str = "full") -> dict:
+    """bench/accelerator_compile.py's row for MaxText with `remat_policy=remat`, read as
+    `zero.report` reads zerojax's step (run in its own process: MaxText sets process-wide jax
+    options, e.g. its PRNG)."""
     chips = math.prod(int(d) for d in topology.split(":")[1].split("x"))  # v5e:2x4: 8
-    got = compile_maxtext(topology, chips)
+    got = compile_maxtext(topology, chips, remat)
     mem = got["compiled"].memory_analysis()
     scheduled = scheduled_collectives(got["compiled"].as_text(), chips)
     return {
-        "contender": f"MaxText {importlib.metadata.version('maxtext')} FSDP, remat full",
+        "contender": f"MaxText {importlib.metadata.version('maxtext')} FSDP, remat {remat}",
         "params": got["params"],
         "peak_bytes": int(mem.argument_size_in_bytes + mem.temp_size_in_bytes),
         "at_rest_bytes": got["at_rest_bytes"],

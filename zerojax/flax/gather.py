@@ -385,8 +385,13 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
     """(outputs, (treedef, slots, saved)): the unit's forward with autodiff's residuals for its
     backward, less its weights (`slots[i]`: the index of the weight residual i is, or None for
     an activation kept in `saved`), which backward gathers again rather than keep. A value
-    computed from the weights (a scaled weight, a merged LoRA update) is kept like any other."""
-    run = jax.checkpoint(lambda p, a: apply(p, extra, a, kwargs), policy=_saved_in_forward)
+    computed from the weights (a scaled weight, a merged LoRA update) is kept like any other.
+    No `prevent_cse` barrier: backward redoes only re-layouts and casts, at stage 3 of weights
+    gathered again (nothing forward's to merge them with), else of weights whole anyway; the
+    barrier made the compiler hold every saved activation at one point (BENCHMARKS.md 1d)."""
+    run = jax.checkpoint(
+        lambda p, a: apply(p, extra, a, kwargs), policy=_saved_in_forward, prevent_cse=False
+    )
     out, vjp, state = jax.vjp(run, params, args, has_aux=True)
     residuals, treedef = jax.tree_util.tree_flatten(vjp)
     position = {id(w): i for i, w in enumerate(jax.tree_util.tree_leaves(params))}
