@@ -200,3 +200,14 @@ def test_an_nnx_stack_is_split_past_its_layers():
     assert stacked["blocks/attn/query/kernel"].split_dim == 1  # (8, 64, 4, 16)
     listed = zero.layout(zero.eval_shape(make(2))).params
     assert listed["blocks/0/up/kernel"].split_dim == 0
+
+
+@pytest.mark.parametrize("stage, scan", [(3, False), (3, True), (1, False)])
+def test_no_barrier_holds_an_nnx_units_saved_activations(stage, scan):
+    # as tests/test_units.py's Linen case: no jax.checkpoint prevent_cse barrier in a unit
+    zero = zj.zero_shard(stage=stage)
+    model, optimizer = zero.eval_shape(make(2, scan=scan))
+    step = zero(train_step)
+    hlo = step.lower(model, optimizer, jax.ShapeDtypeStruct((8, 17), jnp.int32)).as_text()
+    assert "optimization_barrier" not in hlo
+    assert step.units  # the units ran: the check is not vacuous
