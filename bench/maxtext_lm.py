@@ -120,7 +120,7 @@ def compile_maxtext(topology: str, chips: int, remat: str) -> dict:
     return kept
 
 
-def maxtext_row(topology: str, remat: str = "full") -> dict:
+def maxtext_row(topology: str, remat: str) -> dict:
     """bench/accelerator_compile.py's row for MaxText with `remat_policy=remat`, read as
     `zero.report` reads zerojax's step (run in its own process: MaxText sets process-wide jax
     options, e.g. its PRNG)."""
