@@ -100,3 +100,26 @@ def test_a_trace_context_option_makes_jit_trace_again():
         "traces again where zerojax finds and gathers units; pick another trace-context option "
         "that changes nothing a trace computes."
     )
+
+
+def test_every_elementwise_primitive_is_redone_by_a_units_backward():
+    import jax.numpy  # noqa: F401  (registers jax.numpy's primitives too)
+    from jax._src.interpreters import batching
+
+    from zerojax.flax.gather import _REDONE_IN_BACKWARD
+
+    elementwise = (batching.vectorized_batcher, batching.broadcast_batcher)
+    found = {
+        prim.name
+        for prim, rule in batching.fancy_primitive_batchers.items()
+        if getattr(rule, "func", None) in elementwise
+    }
+    assert len(found) > 50, (
+        "jax._src.interpreters.batching no longer marks elementwise primitives by their batching "
+        "rule; find another way to list them for this check"
+    )
+    missing = sorted(found - _REDONE_IN_BACKWARD)
+    assert not missing, (
+        f"jax has elementwise primitives zerojax.flax.gather._ELEMENTWISE does not list: {missing}."
+        " A unit would keep their outputs for backward (memory, not wrong results): add them."
+    )

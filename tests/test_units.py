@@ -329,11 +329,41 @@ def test_saved_activations_never_include_the_weights():
         assert kept == [((2, 8), jnp.float32)], dtype
 
 
+def test_a_unit_keeps_its_matmul_outputs_and_redoes_elementwise_work():
+    from zerojax.flax.gather import _forward_saving_activations
+
+    class Block(nn.Module):  # as a user writes one: gelu, dropout, a norm
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dropout(0.1, deterministic=False)(nn.gelu(nn.Dense(16)(x)))
+            return nn.Dense(8)(nn.LayerNorm()(h))
+
+    x = jnp.ones((2, 8))
+    params = Block().init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
+    kept = []
+
+    def forward(p, a, key):
+        def apply(p, extra, a, kw):
+            return Block().apply({"params": p}, a, rngs={"dropout": extra}), {}
+
+        out, (_, _, saved) = _forward_saving_activations(apply, p, key, a, {})
+        kept.extend((v.shape, str(v.dtype)) for v in saved)
+        return out
+
+    jax.jit(forward)(params["params"], x, jax.random.key(2))
+    # the input, the first matmul's output, LayerNorm's two sums and the dropout key; gelu's
+    # intermediates, the dropout mask and the normalized values are redone in backward
+    assert sorted(kept) == sorted(
+        [((2, 8), "float32"), ((2, 16), "float32"), ((2,), "float32"), ((2,), "float32")]
+        + [((), "key<fry>")]
+    )
+
+
 @pytest.mark.parametrize("stage, scan", [(3, True), (3, False), (1, False), (1, True)])
 def test_no_barrier_holds_a_units_saved_activations(stage, scan):
-    # jax.checkpoint's prevent_cse barrier, around what a unit's backward redoes (re-layouts
-    # and casts), made libtpu hold every saved activation at one point: the bench LM's stage-3
-    # peak on v5e-8 was 2x its peak without it (BENCHMARKS.md 1d)
+    # jax.checkpoint's prevent_cse barrier, around what a unit's backward redoes (elementwise
+    # work, re-layouts and casts), made libtpu hold every saved activation at one point: the
+    # bench LM's stage-3 peak on v5e-8 was 2x its peak without it (BENCHMARKS.md 1d)
     zero = zj.zero_shard(stage=stage)
     state = zero.eval_shape(init_fn(Transformer(2, scan), 16), jax.random.key(0))
     batch = jax.ShapeDtypeStruct((16, 17), jnp.int32)

@@ -79,13 +79,14 @@ class ZeroConfig:
     end of backward); stage 0 ignores it (like prefetch)."""
 
     recompute_units: bool = False
-    """Stages 1-3 units: False keeps each unit's activations from forward to backward, which
-    only re-gathers its weights, so the step computes the plain step's matmuls (DeepSpeed and
-    FSDP without activation checkpointing). True, backward recomputes a unit's
-    forward from its saved input: activation checkpointing per unit, the least memory (a
-    unit's activations exist only while it runs) for one more forward's FLOPs; `nn.remat` or
-    `nnx.remat` in the model does the same. Either way the gathered weights are never kept
-    between forward and backward."""
+    """Stages 1-3 units: False keeps each unit's activations from forward to backward (the
+    outputs of its matmuls and other non-elementwise operations; backward redoes elementwise
+    work, re-layouts and casts from them) and only re-gathers its weights, so the step computes
+    the plain step's matmuls (DeepSpeed and FSDP without activation checkpointing). True,
+    backward recomputes a unit's forward from its saved input: activation checkpointing per
+    unit, the least memory (a unit's activations exist only while it runs) for one more
+    forward's FLOPs; `nn.remat` or `nnx.remat` in the model does the same. Either way the
+    gathered weights are never kept between forward and backward."""
 
     keep_gathered: str | tuple[str, ...] = ()
     """Stage 3: regexes (matched whole) of unit paths whose gathered weights stay alive from

@@ -4,9 +4,10 @@ reduced as soon as backward leaves it (stages 1-3).
 Which modules are units is decided in `zerojax.flax.units`; this module runs one.
 Inside a zerojax stage-3 step a unit receives its parameters as this device's shards and runs
 through `layer_call`, a custom VJP: forward all-gathers the weights, runs the layer and keeps
-its activations (autodiff's residuals less the weights and less re-layouts and casts, which
-backward redoes: no matmul is computed twice); backward all-gathers the weights again, runs the
-layer's backward, reduce-scatters the weight gradient at once and drops the gathered copy.
+its activations (the outputs of its matmuls and other non-elementwise operations, never its
+weights; backward redoes elementwise work, re-layouts and casts from them: no matmul is
+computed twice); backward all-gathers the weights again, runs the layer's backward,
+reduce-scatters the weight gradient at once and drops the gathered copy.
 With `recompute_units=True` forward keeps only the shards and the layer input and backward
 recomputes the layer (the least memory, a forward's FLOPs more). At stages 1-2 a unit runs on
 the step's whole weights and gathers nothing; its gradient is reduce-scattered as backward
@@ -368,27 +369,50 @@ def _weights(shards, dims, ctx, whole, wait):
     )
 
 
-# re-layouts and casts: backward redoes them from what they read rather than keeping their
-# result, so a module that casts (`dtype=`) or reshapes its weights keeps no copy of them
-_REDONE_IN_BACKWARD = frozenset(
-    ("convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze", "copy")
+# what a unit's backward redoes from the values it keeps rather than keep their results (as
+# MaxText's `minimal` remat policy does): re-layouts and casts, so a module that casts (`dtype=`)
+# or reshapes its weights keeps no copy of them, and elementwise work (an activation, a residual
+# add, a norm's scaling, a dropout mask from its key). Every other value is kept: the outputs of
+# matmuls, convolutions, reductions and of any operation not listed here (a name missing here
+# costs memory, never a matmul). tests/test_dependencies.py checks that every primitive jax
+# batches elementwise is listed.
+_RELAYOUTS = frozenset(
+    """
+    convert_element_type reshape transpose broadcast_in_dim squeeze slice split concatenate pad rev
+    iota select_n clamp random_wrap
+    """.split()
 )
+_ELEMENTWISE = frozenset(
+    """
+    abs acos acosh add and asin asinh atan atan2 atanh bessel_i0e bessel_i1e bitcast_convert_type
+    cbrt ceil clz complex conj copy cos cosh digamma div eq eq_to erf erf_inv erfc exp exp2 expm1
+    floor from_edtype ge gt igamma igamma_grad_a igammac imag integer_pow is_finite le le_to
+    lgamma log log1p log2 logistic lt lt_to max min mul mulhi ne neg nextafter not
+    one_minus_square or philox2x32 philox4x32 polygamma polynomial population_count pow
+    random_bits random_clone random_fold_in random_seed random_split random_unwrap real
+    reduce_precision regularized_incomplete_beta rem round rsqrt shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square stage sub tan tanh threefry2x32 threefry4x32 tie
+    to_edtype with_memory_space_constraint xor zeta
+    """.split()
+)
+_REDONE_IN_BACKWARD = _RELAYOUTS | _ELEMENTWISE
 
 
 def _saved_in_forward(primitive, *_, **__) -> bool:
     """The `jax.checkpoint` policy of a unit that keeps its activations: every value but a
-    re-layout or cast (no matmul is ever redone)."""
+    re-layout, cast or elementwise result (no matmul is ever redone)."""
     return primitive.name not in _REDONE_IN_BACKWARD
 
 
 def _forward_saving_activations(apply, params, extra, args, kwargs):
     """(outputs, (treedef, slots, saved)): the unit's forward with autodiff's residuals for its
     backward, less its weights (`slots[i]`: the index of the weight residual i is, or None for
-    an activation kept in `saved`), which backward gathers again rather than keep. A value
-    computed from the weights (a scaled weight, a merged LoRA update) is kept like any other.
-    No `prevent_cse` barrier: backward redoes only re-layouts and casts, at stage 3 of weights
-    gathered again (nothing forward's to merge them with), else of weights whole anyway; the
-    barrier made the compiler hold every saved activation at one point (BENCHMARKS.md 1d)."""
+    an activation kept in `saved`), which backward gathers again rather than keep. A value a
+    matmul computes from the weights (a merged LoRA update) is kept like any other.
+    No `prevent_cse` barrier: what backward redoes (elementwise work, re-layouts and casts) reads
+    values kept for it and, at stage 3, weights gathered again, so there is little of forward's to
+    merge it with; the barrier made the compiler hold every saved activation at one point
+    (BENCHMARKS.md 1d)."""
     run = jax.checkpoint(
         lambda p, a: apply(p, extra, a, kwargs), policy=_saved_in_forward, prevent_cse=False
     )
