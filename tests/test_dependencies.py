@@ -103,7 +103,10 @@ def test_a_trace_context_option_makes_jit_trace_again():
 
 
 def test_every_elementwise_primitive_is_redone_by_a_units_backward():
-    import jax.numpy  # noqa: F401  (registers jax.numpy's primitives too)
+    # what other tests import registers primitives too: import it here, so that the set is the
+    # same whatever ran before
+    import jax.experimental.multihost_utils  # noqa: F401
+    import jax.numpy  # noqa: F401
     from jax._src.interpreters import batching
 
     from zerojax.flax.gather import _REDONE_IN_BACKWARD
@@ -118,7 +121,8 @@ def test_every_elementwise_primitive_is_redone_by_a_units_backward():
         "jax._src.interpreters.batching no longer marks elementwise primitives by their batching "
         "rule; find another way to list them for this check"
     )
-    missing = sorted(found - _REDONE_IN_BACKWARD)
+    not_arithmetic = {"global_array_to_host_local_array"}  # multihost_utils' host transfer
+    missing = sorted(found - _REDONE_IN_BACKWARD - not_arithmetic)
     assert not missing, (
         f"jax has elementwise primitives zerojax.flax.gather._ELEMENTWISE does not list: {missing}."
         " A unit would keep their outputs for backward (memory, not wrong results): add them."
