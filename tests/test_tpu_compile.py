@@ -107,3 +107,52 @@ def test_plan_for_a_tpu_topology_prints_every_stage():
     assert rows[3]["overlapped_sent_bytes"] > 0  # the TPU schedule overlaps stage 3's gathers
     wrong = run("--topology", "v5e:2x4", "--devices", "4")
     assert wrong.returncode == 2 and "has 8 chips: leave --devices out" in wrong.stderr
+
+
+@needs_libtpu
+def test_a_heads_kernels_gradient_is_reduce_scattered_not_all_reduced():
+    # a user's attention with q/k/v kernels `[d, heads, head_dim]` (nn.DenseGeneral), split on
+    # `d`: libtpu lays their gradients out `d` minor and, reduce-scattered in that shape, ran
+    # each as an all-reduce and a slice (twice the bytes, the whole gradient alive); zerojax's
+    # reduce-scatter moves the `[d, heads * head_dim]` view, which libtpu scatters as rows
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax.training import train_state
+
+    class Attention(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            heads = lambda name: nn.DenseGeneral((12, 64), name=name)(x)  # noqa: E731
+            q, k, v = heads("q"), heads("k"), heads("v")
+            weights = jax.nn.softmax(jnp.einsum("bthd,bshd->bhts", q, k) / 8.0, axis=-1)
+            out = jnp.einsum("bhts,bshd->bthd", weights, v)
+            return x + nn.DenseGeneral(x.shape[-1], axis=(-2, -1), name="out")(out)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = Attention()(x)
+            return x
+
+    x = jnp.zeros((N, 128, 768))  # 12 heads of 64, as the 125m preset's
+    zero = zj.zero_shard(stage=3, mesh=zj.make_mesh(zj.tpu_devices("v5e:2x4")))
+    state = zero.eval_shape(
+        lambda key: train_state.TrainState.create(
+            apply_fn=Model().apply,
+            params=Model().init(key, x[:1])["params"],
+            tx=optax.adam(1e-3),
+        ),
+        jax.random.key(0),
+    )
+
+    def step(state, batch):
+        loss = lambda p: jnp.mean(state.apply_fn({"params": p}, batch) ** 2)  # noqa: E731
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    rep = zero.report(zero(step), state, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    kernel = 4 * 768 * 12 * 64  # one q/k/v/out kernel's fp32 gradient, bytes
+    reduced = [(s.collective.kind, s.collective.buffer_bytes) for s in rep.scheduled]
+    # the 4 kernels of each of the 2 layers, reduce-scattered; only the small biases all-reduced
+    assert reduced.count(("reduce-scatter", kernel)) == 8, reduced
+    assert not [b for kind, b in reduced if kind == "all-reduce" and b >= kernel / N], reduced
