@@ -264,6 +264,26 @@ def test_unit_buffers_take_two_gathers_and_one_reduce_scatter_per_unit(scan):
     assert counts[False][0] > counts[True][0], counts  # leaf by leaf: one per leaf
 
 
+def test_a_large_leaf_moves_alone_with_unit_buffers(monkeypatch):
+    # a leaf of ALONE_BYTES or more is gathered and reduced as itself, not copied into its
+    # unit's buffer: here each block's two MLP kernels (64 KiB in fp32) against a cap of 48 KiB
+    # move alone, its 16 KiB attention kernels as one buffer each way
+    import zerojax.comm.flat as flat
+
+    monkeypatch.setattr(flat, "ALONE_BYTES", 48 * 2**10)
+    layers, batch = 2, jax.ShapeDtypeStruct((8, 17), jnp.int32)
+    zero = zj.zero_shard(stage=3, units="Block", unit_buffers=True)
+    state = zero.eval_shape(init_fn(Transformer(layers, False), 16), jax.random.key(0))
+    table = zero.report(zero(step), state, batch).comm_table()
+    count = lambda kind: sum(c for (k, _), (c, *_) in table.items() if k == kind)  # noqa: E731
+    # per block 3 gathers in forward and 3 in backward, 3 reduce-scatters; + the rest's one
+    assert (count("all-gather"), count("reduce-scatter")) == (6 * layers + 1, 3 * layers + 1)
+    data = [np.random.default_rng(i).integers(0, 128, (16, 17), dtype=np.int32) for i in range(2)]
+    state = jax.device_put(init_fn(Transformer(layers, False), 16)(jax.random.key(0)))
+    got, want, _ = train_both(zero, step, state, data)
+    assert_trees_close(got.params, want.params)
+
+
 def closure_step(model):
     """A step that applies a module captured in a closure, never touching state.apply_fn."""
     return lambda state, batch: step(state, batch, apply=model.apply)

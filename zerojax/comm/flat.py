@@ -9,7 +9,10 @@ gathered over the n shard devices it is `(n * S,)`, part i device i's buffer, fr
 full leaf is read back (its n pieces stacked on the split dim). Gradients go the other way:
 each full gradient, split dim first, as `(n, size / n)` rows, concatenated (and padded) into
 `(n, S)` and reduce-scattered, as rows of `LANES`, into this device's `(S,)`.
-A single split leaf of a dtype is gathered and reduced as itself (nothing to pack). Reading
+A single split leaf of a dtype is gathered and reduced as itself (nothing to pack), and so is
+a leaf of `ALONE_BYTES` or more: its collective is large enough on its own, and packing would
+copy it in and out (at 125m libtpu also ran the reduce-scatter of the embedding packed with
+two norm stacks as an all-reduce and a slice). Reading
 the leaves out of the gathered buffer copies them (as FSDP2's copy-out does), so a unit's
 weights exist twice for a moment: fewer, larger collectives for more bytes moved in memory
 (`bench/unit_collectives.py` and `bench/hlo_audit.py` measure both).
@@ -25,6 +28,11 @@ import jax.numpy as jnp
 LANES = 128  # a buffer is reduce-scattered as rows of this many elements (a TPU's tile width)
 ROWS = 16  # and each device's part padded to whole blocks of ROWS rows: else libtpu compiles
 # the reduce-scatter as an all-reduce and a slice, twice the bytes (measured on v5e:2x4)
+# a leaf at least this large (whole, in the dtype it moves in) moves as itself: PyTorch DDP's
+# default bucket cap. bench/hlo_audit.py --topology v5e:2x4, 125m, unit_buffers: 954.2 -> 832.0
+# MiB sent per chip (the embedding's reduce-scatter no longer an all-reduce), peak 9,780.0 ->
+# 9,735.6 MiB
+ALONE_BYTES = 25 * 2**20
 COPY_OUT = "unit_buffer_copy_out"  # the name scope of the leaves read out of a gathered buffer
 
 
@@ -85,23 +93,27 @@ def _unpack_shards(buffer, shards: list) -> list:
     return out
 
 
-def _groups(xs: list, dims: list, buffers: bool) -> list:
+def _groups(nbytes: list, dtypes: list, dims: list, buffers: bool) -> list:
     """Positions of the split leaves (dim not None) moved together: one per leaf, or with
-    `buffers` one group per dtype."""
+    `buffers` one group per dtype of the leaves under `ALONE_BYTES` (`nbytes`: whole leaves')
+    and one per larger leaf."""
     split = [i for i, d in enumerate(dims) if d is not None]
     if not buffers:
         return [[i] for i in split]
+    alone = [[i] for i in split if nbytes[i] >= ALONE_BYTES]
     by_dtype: dict = {}
     for i in split:
-        by_dtype.setdefault(xs[i].dtype, []).append(i)
-    return list(by_dtype.values())
+        if nbytes[i] < ALONE_BYTES:
+            by_dtype.setdefault(dtypes[i], []).append(i)
+    return alone + list(by_dtype.values())
 
 
-def gather_leaves(shards: list, dims: list, gather, buffers: bool) -> list:
-    """Each split shard gathered whole by `gather(x, dim)`, leaf by leaf or (`buffers`) one
-    buffer per dtype; a leaf whose dim is None is returned as is."""
+def gather_leaves(shards: list, dims: list, gather, n: int, buffers: bool) -> list:
+    """Each split shard gathered whole by `gather(x, dim)` over `n` devices, leaf by leaf or
+    (`buffers`) one buffer per dtype; a leaf whose dim is None is returned as is."""
     out = list(shards)
-    for group in _groups(shards, dims, buffers):
+    whole = [x.nbytes * n for x in shards]
+    for group in _groups(whole, [x.dtype for x in shards], dims, buffers):
         if len(group) == 1:
             out[group[0]] = gather(shards[group[0]], dims[group[0]])
             continue
@@ -119,7 +131,7 @@ def reduce_leaves(grads: list, dims: list, reduce, n: int, buffers: bool) -> lis
     n-th of its dim), leaf by leaf or (`buffers`) one buffer per dtype over `n` devices; a
     gradient whose dim is None is returned as is."""
     out = list(grads)
-    for group in _groups(grads, dims, buffers):
+    for group in _groups([g.nbytes for g in grads], [g.dtype for g in grads], dims, buffers):
         if len(group) == 1:
             out[group[0]] = reduce(grads[group[0]], dims[group[0]])
             continue

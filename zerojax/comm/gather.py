@@ -53,7 +53,7 @@ def device_copies(
         xs = [to_compute(x, dt) for x, dt in zip(xs, dtypes[0], strict=True)]
         dims = [split_dim(spec, comm.shard_axis) for spec in store_specs]
         one = lambda x, d: gather_weight(x, d, comm, x.dtype)
-        return tuple(x[None] for x in gather_leaves(xs, dims, one, comm.buffers))
+        return tuple(x[None] for x in gather_leaves(xs, dims, one, comm.shard_size, comm.buffers))
 
     return manual_over_data(
         gather, mesh, comm, store_specs, tuple(P(comm.data_axis) for _ in leaves)

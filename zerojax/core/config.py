@@ -104,11 +104,13 @@ class ZeroConfig:
     unit_buffers: bool = False
     """Stage 3 units: gather each unit's split weights as one buffer per dtype (one all-gather
     each way) and reduce-scatter its gradients as one, instead of one collective per leaf; the
-    split parameters no unit holds likewise, once per step. Fewer, larger collectives (3 per
-    unit), at the cost of copying the leaves out of the gathered buffer and the gradients into
-    theirs, as FSDP2 does (`bench/hlo_audit.py` and `bench/unit_collectives.py` measure both:
-    on XLA:CPU the peak grows by about a layer's weights, gaps in its packing of temporaries;
-    on TPU libtpu schedules the packed gathers synchronously, BENCHMARKS.md 1d). Stages 1-2:
+    split parameters no unit holds likewise, once per step. A leaf of 25 MiB or more (DDP's
+    bucket cap, `comm.flat.ALONE_BYTES`) moves as itself: large enough alone, and packing would
+    copy it. Fewer, larger collectives (3 per unit), at the cost of copying the leaves out of
+    the gathered buffer and the gradients into theirs, as FSDP2 does (`bench/hlo_audit.py`
+    and `bench/unit_collectives.py` measure both: on XLA:CPU the peak grows by about a
+    layer's weights, gaps in its packing of temporaries; on TPU libtpu schedules the packed
+    gathers synchronously, BENCHMARKS.md 1d). Stages 1-2:
     the gradient reduce-scatter only; stage 0: no effect. Refused on a mesh with
     tensor-parallel axes: packing would gather the model's own splits whole over them."""
 

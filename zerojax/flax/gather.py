@@ -257,7 +257,7 @@ def _gather(shards, dims, ctx):
     flat = [to_compute(x, ctx.compute_dtype) for x in flat]
     split = [d if d >= 0 else None for d in jax.tree_util.tree_leaves(dims)]
     gather = lambda x, d: gather_weight(x, d, ctx.comm, x.dtype)
-    full = gather_leaves(flat, split, gather, ctx.comm.buffers)
+    full = gather_leaves(flat, split, gather, ctx.comm.shard_size, ctx.comm.buffers)
     return jax.tree_util.tree_unflatten(tree, full)
 
 
