@@ -26,8 +26,9 @@ the bytes one chip sends per step and of those the bytes sent while a matmul run
 libtpu's collective fusions (its program does re-lay out gathered weights: at 125m each
 gathered q/k/v kernel is copied from the gather's tiled layout into the one its matmul reads).
 `--rows-per-device` sets the presets' batch (8 rows per device by default) and `--devices` the
-number of simulated CPU devices (8 by default, or 2 or 4): another value of either prints the
-table and writes nothing. A row whose program does not fit the chip's memory says so.
+number of simulated CPU devices (8 by default, or 2 or 4): another value of either, or libtpu
+flags in LIBTPU_INIT_ARGS with --topology, prints the table and writes nothing. A row whose
+program does not fit the chip's memory says so.
 Writes bench/results/hlo_audit.json and .md (hlo_audit_tpu with --topology).
 """
 
@@ -218,9 +219,13 @@ def main(argv=None) -> int:
     results = {}
     for name in args.models:
         results |= measure(name, devices, where, args.rows_per_device)
+    libtpu_flags = os.environ.get("LIBTPU_INIT_ARGS", "").strip() if args.topology else ""
     recorded = args.rows_per_device == ROWS_PER_DEVICE and args.devices == DEVICES
-    if not recorded:
+    recorded = recorded and not libtpu_flags
+    if args.rows_per_device != ROWS_PER_DEVICE:
         where += f", presets at {args.rows_per_device} rows per device"
+    if libtpu_flags:
+        where += f", LIBTPU_INIT_ARGS={libtpu_flags}"
     md = table(results, where, bool(args.topology))
     print(md)
     if not recorded:
