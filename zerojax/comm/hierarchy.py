@@ -149,20 +149,23 @@ def gather_weight(x, dim, comm: Comm, dtype):
         return x
     if comm.weight_bits and jnp.issubdtype(x.dtype, jnp.floating):
         return quantized_all_gather(x, comm.shard_axis, dim, comm.weight_block, dtype)
-    rows = _trailing_merged(x, dim, comm)
-    full = jax.lax.all_gather(rows, comm.shard_axis, axis=dim, tiled=True)
-    return full.reshape(*full.shape[: dim + 1], *x.shape[dim + 1 :])
+    gather = lambda rows: jax.lax.all_gather(rows, comm.shard_axis, axis=dim, tiled=True)
+    return _on_rows(gather, x, dim, comm)
 
 
-def _trailing_merged(x, dim: int, comm: Comm):
-    """`x` with the dims after `dim` merged into one (a free reshape), so that a collective on
-    `dim` moves rows: libtpu lays a `[d, heads, head_dim]` kernel's gradient out `d` minor and
-    reduce-scatters it on `d` as an all-reduce and a slice (twice the bytes, and the whole
-    gradient alive), but reduce-scatters its `[d, heads * head_dim]` view (bench/hlo_audit.py
+def _on_rows(collective, x, dim: int, comm: Comm):
+    """`collective` (which resizes `dim`) applied to `x` with the dims after `dim` merged
+    into one (a free reshape), its result back in `x`'s trailing dims, so that it moves rows:
+    libtpu lays a `[d, heads, head_dim]` kernel's gradient out `d` minor and reduce-scatters
+    it on `d` as an all-reduce and a slice (twice the bytes, and the whole gradient alive),
+    but reduce-scatters its `[d, heads * head_dim]` view (bench/hlo_audit.py
     --topology v5e:2x4, 125m: 36 all-reduces of 3.9 MiB per step become reduce-scatters).
     Gathers move the same view (its peak 9,734.1 -> 9,727.6 MiB). Not with tensor-parallel
     axes: a merged dim may be split over one of them."""
-    return x.reshape(*x.shape[: dim + 1], -1) if x.ndim > dim + 2 and not comm.tensor else x
+    if x.ndim <= dim + 2 or comm.tensor:
+        return collective(x)
+    out = collective(x.reshape(*x.shape[: dim + 1], -1))
+    return out.reshape(*out.shape[: dim + 1], *x.shape[dim + 1 :])
 
 
 def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
@@ -182,10 +185,10 @@ def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
             g.dtype
         )
     else:
-        rows = jax.lax.psum_scatter(
-            _trailing_merged(g, dim, comm), comm.shard_axis, scatter_dimension=dim, tiled=True
+        scatter = lambda rows: jax.lax.psum_scatter(
+            rows, comm.shard_axis, scatter_dimension=dim, tiled=True
         )
-        g = rows.reshape(*rows.shape[: dim + 1], *g.shape[dim + 1 :])
+        g = _on_rows(scatter, g, dim, comm)
     return jax.lax.psum(g, replica) if replica else g
 
 
