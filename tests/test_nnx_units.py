@@ -190,6 +190,29 @@ def test_nnx_zeropp_and_offload_match_single_device(options):
         assert model.blocks[0].up.kernel[...].sharding.memory_kind == "pinned_host"
 
 
+def test_nnx_unit_buffers_move_a_large_leaf_alone(monkeypatch):
+    # with unit_buffers, a leaf of ALONE_BYTES or more moves as itself: here each block's up
+    # and down kernels (64 KiB in fp32) against a cap of 48 KiB, its attention's four
+    # [64, 4, 16] / [4, 16, 64] kernels (16 KiB) as one buffer each way; the embedding and the
+    # head (32 KiB each), no unit's, as one more
+    import zerojax.comm.flat as flat
+
+    monkeypatch.setattr(flat, "ALONE_BYTES", 48 * 2**10)
+    layers, batches = 2, data(2)
+    with jax.default_device(jax.devices()[0]):
+        ref_model, ref_opt = make(layers)()
+        want = [float(nnx.jit(train_step)(ref_model, ref_opt, b)) for b in batches]
+    zero = zj.zero_shard(stage=3, unit_buffers=True)
+    model, optimizer = zero.init(make(layers))
+    step = zero(train_step)
+    table = zero.report(step, model, optimizer, batches[0]).comm_table()
+    count = lambda kind: sum(c for (k, _), (c, *_) in table.items() if k == kind)  # noqa: E731
+    # per block 3 gathers in forward and 3 in backward, 3 reduce-scatters; + the rest's one
+    assert (count("all-gather"), count("reduce-scatter")) == (6 * layers + 1, 3 * layers + 1)
+    got = [float(step(model, optimizer, b)) for b in batches]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))
+
 def test_an_nnx_stack_is_split_past_its_layers():
     # 8 vmapped layers on 8 devices: dim 0 divides, yet each layer is split on its own first
     # dim (its shards end to end); the unstacked blocks of an nnx.List split their dim 0
