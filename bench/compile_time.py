@@ -9,12 +9,19 @@ peak per device (arguments + temporaries, exact) is printed beside them.
 
     python bench/compile_time.py [--rounds 3] [--layers 8]
 
-Writes bench/results/compile_time.json and .md.
+Writes bench/results/compile_time.json and .md. With `--xla-passes` it instead compiles each
+contender with XLA's pass timings logged and prints, not writes, the seconds XLA's pass
+pipelines take and their costliest passes (Shardy's `shardy-xla`, the SPMD partitioner),
+medians over the rounds; the rest of the compile is the CPU back end's code generation.
 """
 
 import argparse
+import collections
+import os
+import re
 import statistics
 import sys
+import tempfile
 
 from benchlib import markdown_table, run_with_devices, write_results
 
@@ -62,11 +69,61 @@ def compile_seconds(options: dict | None, layers: int) -> dict:
     return {"trace": traced - start, "compile": done - traced, "peak": peak}
 
 
+_PASS = re.compile(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) ")
+_PIPELINE = re.compile(r"Running HLO pass pipeline on module \S+: (.+)$", re.M)
+_UNIT = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def pass_seconds(options: dict | None, layers: int) -> dict:
+    """`compile_seconds` of one contender with XLA's pass timings read from its log: adds
+    'passes' ({pass name: seconds, summed over the pipelines that run it; a pipeline run as a
+    pass of another is left out, its passes counted}). Call it in a fresh process: the log
+    level is read when XLA loads."""
+    os.environ.update(TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="hlo_pass_pipeline=1")
+    with tempfile.TemporaryFile("w+") as log:
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)  # XLA logs to the process's stderr
+        try:
+            got = compile_seconds(options, layers)
+        finally:
+            os.dup2(saved, 2)
+        log.seek(0)
+        text = log.read()
+    pipelines = {m.group(1).strip() for m in _PIPELINE.finditer(text)}
+    passes: dict = collections.Counter()
+    for m in _PASS.finditer(text):
+        if m.group(1) not in pipelines:
+            passes[m.group(1)] += float(m.group(2)) * _UNIT[m.group(3)]
+    return {**got, "passes": dict(passes)}
+
+
+def print_passes(layers: int, rounds: int, top: int = 4) -> None:
+    """Each contender's compile seconds, of which XLA's pass pipelines, and the costliest
+    passes: medians over `rounds` fresh processes, the contenders alternated."""
+    got: dict = {name: [] for name in CONTENDERS}
+    for _ in range(rounds):
+        for name, options in CONTENDERS.items():
+            call = f"pass_seconds({options!r}, {layers})"
+            got[name].append(run_with_devices(8 if options else 1, "compile_time", call))
+    for name, runs in got.items():
+        names = {k for r in runs for k in r["passes"]}
+        passes = {k: statistics.median(r["passes"].get(k, 0.0) for r in runs) for k in names}
+        costliest = sorted(passes.items(), key=lambda kv: -kv[1])[:top]
+        compile_s = statistics.median(r["compile"] for r in runs)
+        in_passes = statistics.median(sum(r["passes"].values()) for r in runs)
+        listed = ", ".join(f"{k} {v:.2f}" for k, v in costliest)
+        print(f"{name:<40} compile {compile_s:5.2f} s, XLA passes {in_passes:5.2f} s ({listed})")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--xla-passes", action="store_true", help="print where XLA's compile goes")
     args = p.parse_args(argv)
+    if args.xla_passes:
+        print_passes(args.layers, args.rounds)
+        return 0
     times: dict = {name: [] for name in CONTENDERS}
     for r in range(args.rounds):
         for name, options in CONTENDERS.items():

@@ -213,6 +213,7 @@ def test_nnx_unit_buffers_move_a_large_leaf_alone(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)))
 
+
 def test_an_nnx_stack_is_split_past_its_layers():
     # 8 vmapped layers on 8 devices: dim 0 divides, yet each layer is split on its own first
     # dim (its shards end to end); the unstacked blocks of an nnx.List split their dim 0

@@ -156,3 +156,56 @@ def test_a_heads_kernels_gradient_is_reduce_scattered_not_all_reduced():
     # the 4 kernels of each of the 2 layers, reduce-scattered; only the small biases all-reduced
     assert reduced.count(("reduce-scatter", kernel)) == 8, reduced
     assert not [b for kind, b in reduced if kind == "all-reduce" and b >= kernel / N], reduced
+
+
+@needs_libtpu
+def test_libtpu_runs_a_gradient_all_reduce_issued_in_backward_synchronously():
+    # why stage 0 all-reduces its gradients after the whole backward instead of each layer's as
+    # backward leaves it (DDP's buckets): libtpu (0.0.52, v5e) runs every all-reduce
+    # synchronously, so a bucket issued in backward hides nothing behind the layers' backward
+    # matmuls, even kept apart from the others (a chained dependency: libtpu otherwise combines
+    # them into one at the end). Once this fails, buckets would overlap there: build them.
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives
+
+    mesh = Mesh(np.array(zj.tpu_devices("v5e:2x4")), ("data",))
+    issued = []
+
+    @jax.custom_vjp
+    def layer(w, x):
+        return jnp.tanh(x @ jax.lax.pcast(w, ("data",), to="varying"))
+
+    def forward(w, x):
+        return jax.vjp(lambda w, x: jnp.tanh(x @ w), jax.lax.pcast(w, ("data",), to="varying"), x)
+
+    def backward(vjp, ct):
+        dw, dx = vjp(ct)
+        if issued:  # the next layer's backward waits for the one before's all-reduce
+            dx = dx + 0 * issued[-1].reshape(-1)[0]
+        issued.append(jax.lax.psum(dw, "data"))
+        return issued[-1], dx
+
+    layer.defvjp(forward, backward)
+
+    def grads(ws, x):
+        def loss(ws):
+            out = x
+            for w in ws:
+                out = layer(w, out)
+            return jnp.mean(out**2)
+
+        return jax.grad(loss)(ws)
+
+    step = jax.jit(jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=replicated)] * 8
+    x = jax.ShapeDtypeStruct((8 * 512, 1024), jnp.float32, sharding=rows)
+    scheduled = scheduled_collectives(step.lower(ws, x).compile().as_text(), 8)
+    assert {s.collective.kind for s in scheduled} == {"all-reduce"}
+    assert sum(s.first for s in scheduled) > 1  # kept apart, not combined into one at the end
+    hidden, exposed = overlap_bytes(scheduled)
+    assert hidden == 0 and exposed == 8 * 4 * 2**20 * 7 / 4, (hidden, exposed)  # 8 x 4 MiB, ring
