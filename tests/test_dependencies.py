@@ -1,6 +1,7 @@
 """Canaries for the private names of jax that zerojax uses (each where no public API
-does the same job): when a dependency moves one, this fails with what to change, instead of
-export, restore or the XLA-flag defaults failing deep inside."""
+does the same job) and for the compiler behaviours its design rests on: when a dependency
+changes one, this fails with what to change, instead of export, restore or the XLA-flag
+defaults failing deep inside, or a cheaper way going unnoticed."""
 
 import sys
 
@@ -126,4 +127,49 @@ def test_every_elementwise_primitive_is_redone_by_a_units_backward():
     assert not missing, (
         f"jax has elementwise primitives zerojax.flax.gather._ELEMENTWISE does not list: {missing}."
         " A unit would keep their outputs for backward (memory, not wrong results): add them."
+    )
+
+
+def test_xla_cpu_drops_an_optimization_barriers_ordering():
+    # zerojax.flax.gather._depend ties a unit's gather to its anchor with an add of zero per
+    # leaf (a kernel each: 0.5 s of the bench LM's stage-3 compile, BENCHMARKS "Compile
+    # time"), not with jax.lax.optimization_barrier, because XLA:CPU schedules a barrier's
+    # gathers as if it were not there: all up front, each layer's weights alive at once
+    import re
+
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    ties = {
+        "none": lambda w, a: w,
+        "add": lambda w, a: w + 0 * a,  # what _depend does
+        "barrier": lambda w, a: jax.lax.optimization_barrier((w, a))[0],
+    }
+
+    def schedule(tie):
+        def body(ws, x):
+            for w in ws:  # each layer's gather tied to the previous layer's output
+                x = jnp.tanh(x @ jax.lax.all_gather(tie(w, x.reshape(-1)[0]), "data", tiled=True))
+            return x
+
+        run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        rows = jax.ShapeDtypeStruct(
+            (256, 256), jnp.float32, sharding=NamedSharding(mesh, P("data"))
+        )
+        compiled = run.lower([rows] * 4, rows).compile()
+        entry = compiled.as_text().split("ENTRY")[1]
+        gathers = [m.start() for m in re.finditer(r" all-gather\(", entry)]
+        fused = [m.start() for m in re.finditer(r" fusion\(", entry)]
+        gathered_ahead = sum(g < min(fused) for g in gathers)  # gathers before any compute
+        return gathered_ahead, compiled.memory_analysis().temp_size_in_bytes
+
+    got = {name: schedule(tie) for name, tie in ties.items()}
+    assert got["none"][0] == 4 and got["add"][0] <= 1, got  # the probe sees the ordering
+    assert got["barrier"] == got["none"], (
+        "XLA:CPU now orders work after an optimization barrier: zerojax.flax.gather._depend "
+        "could tie each gather to its anchor with jax.lax.optimization_barrier instead of an "
+        "add of zero per leaf (no kernel, no arithmetic on the weights); try it there and "
+        f"compare the stage-3 peaks and bench/compile_time.py ({got})."
     )

@@ -225,7 +225,9 @@ def _scalar(anchor):
 
 
 def _depend(tree, scalar):
-    """`tree` plus zero times `scalar`: a data dependency XLA keeps (none when None)."""
+    """`tree` plus zero times `scalar`: a data dependency XLA keeps (none when None). Not an
+    `optimization_barrier`, which would cost no kernel: XLA:CPU schedules as if it were not
+    there (tests/test_dependencies.py)."""
     if scalar is None:
         return tree
     zero = scalar * 0
