@@ -437,3 +437,47 @@ def test_a_stacks_small_leaves_are_gathered_once_per_step(stage):
     assert_trees_close(got.opt_state, want.opt_state)
     in_loop = loop_collective_sizes(zstep.lower(got, data[0]).compile().as_text())
     assert in_loop and min(in_loop) >= 128, sorted(in_loop)
+
+
+@pytest.mark.parametrize(
+    "options, traces",
+    [
+        (dict(stage=3), 2),  # once to find the units, once forward; backward reuses forward's
+        (dict(stage=2), 2),
+        (dict(stage=3, recompute_units=True), 3),  # backward runs the unit again
+        (dict(stage=0), 1),  # no units to find
+    ],
+)
+def test_a_units_python_runs_once_to_find_it_and_once_to_trace_it(options, traces):
+    # compile time grows with how often the model's Python runs; a unit's backward is traced
+    # from its forward's jaxpr, not by running the module again (unless it recomputes)
+    calls = []
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            calls.append(self.name)
+            return x + nn.Dense(x.shape[-1])(nn.relu(nn.Dense(4 * x.shape[-1])(x)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = Layer(name=f"layer_{i}")(x)
+            return x
+
+    def init(key):
+        params = Model().init(key, jnp.zeros((1, 32)))["params"]
+        return train_state.TrainState.create(
+            apply_fn=Model().apply, params=params, tx=optax.sgd(0.1)
+        )
+
+    def mse_step(state, batch):
+        loss = lambda p: jnp.mean(state.apply_fn({"params": p}, batch) ** 2)  # noqa: E731
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    zero = zj.zero_shard(**options)
+    state = zero.eval_shape(init, jax.random.key(0))
+    calls.clear()
+    zero(mse_step).lower(state, jax.ShapeDtypeStruct((16, 32), jnp.float32))
+    assert sorted(calls) == sorted([f"layer_{i}" for i in range(3)] * traces), calls
