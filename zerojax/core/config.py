@@ -109,8 +109,8 @@ class ZeroConfig:
     copy it. Fewer, larger collectives (3 per unit), at the cost of copying the leaves out of
     the gathered buffer and the gradients into theirs, as FSDP2 does (`bench/hlo_audit.py`
     and `bench/unit_collectives.py` measure both: on XLA:CPU the peak grows by about a
-    layer's weights, gaps in its packing of temporaries; on TPU libtpu schedules the packed
-    gathers synchronously, BENCHMARKS.md 1d). Stages 1-2:
+    layer's weights, gaps in its packing of temporaries; on TPU libtpu overlaps fewer of the
+    packed gathers with matmuls, BENCHMARKS.md 1d). Stages 1-2:
     the gradient reduce-scatter only; stage 0: no effect. Refused on a mesh with
     tensor-parallel axes: packing would gather the model's own splits whole over them."""
 
