@@ -174,13 +174,15 @@ def test_libtpu_runs_a_gradient_all_reduce_issued_in_backward_synchronously():
 
     mesh = Mesh(np.array(zj.tpu_devices("v5e:2x4")), ("data",))
     issued = []
+    dense = lambda w, x: jnp.tanh(x @ w)  # noqa: E731
+    per_device = lambda w: jax.lax.pcast(w, ("data",), to="varying")  # noqa: E731
 
     @jax.custom_vjp
     def layer(w, x):
-        return jnp.tanh(x @ jax.lax.pcast(w, ("data",), to="varying"))
+        return dense(per_device(w), x)
 
     def forward(w, x):
-        return jax.vjp(lambda w, x: jnp.tanh(x @ w), jax.lax.pcast(w, ("data",), to="varying"), x)
+        return jax.vjp(dense, per_device(w), x)
 
     def backward(vjp, ct):
         dw, dx = vjp(ct)
