@@ -131,12 +131,46 @@ def test_nnx_objects_the_step_updates_are_updated_as_nnx_jit_updates_them():
     assert_trees_close(nnx.to_pure_dict(nnx.state(objs[0])), nnx.to_pure_dict(nnx.state(ref[0])))
 
 
-def test_an_nnx_object_after_the_batch_is_refused_with_how_to_pass_it():
-    zero = zj.zero_shard(stage=3)
+def after_the_batch(model, optimizer, rngs, batch, metrics, pad_id):
+    """Flax's NNX gemma example's argument order: objects before and after the batch, then a
+    Python int."""
+    del rngs
+    nnx_step(model, optimizer, metrics, {**batch, "y": batch["y"] + pad_id})
+
+
+def test_nnx_objects_after_the_batch_are_updated_as_nnx_jit_updates_them():
+    batches = nnx_data(2)
+    with jax.default_device(jax.devices()[0]):
+        model, optimizer, metrics = nnx_build()
+        ref = (model, optimizer, nnx.Rngs(0), metrics)
+        for b in batches:
+            nnx.jit(after_the_batch, static_argnames="pad_id")(*ref[:3], b, ref[3], pad_id=0)
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    model, optimizer, metrics, rngs = zero.init(lambda: (*nnx_build(), nnx.Rngs(0)))
+    step = zero(after_the_batch)
+    for b in batches:
+        step(model, optimizer, rngs, b, metrics, 0)
+    assert step.used_explicit_collectives  # the batch was found after three objects
+    np.testing.assert_allclose(
+        float(metrics.compute()["loss"]), float(ref[3].compute()["loss"]), rtol=1e-5
+    )
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref[0])))
+
+
+def test_batch_argnum_names_the_batch_and_objects_inside_a_pytree_are_refused():
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
     model, optimizer, metrics = zero.init(nnx_build)
-    after = lambda model, optimizer, batch, metrics: nnx_step(model, optimizer, metrics, batch)
-    with pytest.raises(zj.ZeroError, match="before the batch"):
-        zero(after)(model, optimizer, nnx_data(1)[0], metrics)
+    batch = nnx_data(1)[0]
+    fresh = lambda: nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
+    counted = lambda model, optimizer, step_count, batch: nnx_step(model, optimizer, fresh(), batch)
+    before = np.asarray(model.up.kernel[...])
+    zero(counted, batch_argnum=3)(model, optimizer, np.int32(0), batch)
+    assert not np.allclose(np.asarray(model.up.kernel[...]), before)  # it trained
+    with pytest.raises(zj.ZeroError, match="batch_argnum=1 names no batch"):
+        zero(counted, batch_argnum=1)(model, optimizer, np.int32(0), batch)
+    inside = lambda model, optimizer, batch: nnx_step(model, optimizer, batch["m"], batch)
+    with pytest.raises(zj.ZeroError, match="as an argument of its own"):
+        zero(inside)(model, optimizer, {**batch, "m": metrics})
 
 
 # ---- NNX: dropout keyed by an nnx.Rngs passed at call time -----------------------------------

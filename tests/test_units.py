@@ -322,7 +322,7 @@ def test_saved_activations_never_include_the_weights():
     from zerojax.flax.gather import _forward_saving_activations
 
     def apply(module):
-        return lambda p, extra, a, kw: (module.apply({"params": p}, a), {})
+        return lambda p, extra, a: (module.apply({"params": p}, a), {})
 
     params = nn.Dense(8).init(jax.random.key(0), jnp.ones((2, 8)))["params"]
     x = jnp.ones((2, 8))
@@ -331,7 +331,7 @@ def test_saved_activations_never_include_the_weights():
         got = {}
 
         def forward(p, a):
-            out, (_, slots, kept) = _forward_saving_activations(apply(module), p, None, a, {})
+            out, (_, slots, kept) = _forward_saving_activations(apply(module), p, None, a)
             got.update(slots=slots, kept=[(k.shape, k.dtype) for k in kept])
             return out
 
@@ -363,10 +363,10 @@ def test_a_unit_keeps_its_matmul_outputs_and_redoes_elementwise_work():
     kept = []
 
     def forward(p, a, key):
-        def apply(p, extra, a, kw):
+        def apply(p, extra, a):
             return Block().apply({"params": p}, a, rngs={"dropout": extra}), {}
 
-        out, (_, _, saved) = _forward_saving_activations(apply, p, key, a, {})
+        out, (_, _, saved) = _forward_saving_activations(apply, p, key, a)
         kept.extend((v.shape, str(v.dtype)) for v in saved)
         return out
 

@@ -9,6 +9,7 @@ def train_step(state, batch): ...    # unchanged single-device step
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -268,9 +269,22 @@ class ZeroShard:
         return jax.tree_util.tree_map_with_path(place, batch)
 
     # ---- the step --------------------------------------------------------------------------
-    def __call__(self, step_fn):
-        """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`."""
-        return ZeroStep(self, step_fn)
+    def __call__(
+        self, step_fn=None, *, batch_argnum: int | None = None, static_argnums: tuple = ()
+    ):
+        """Decorate `step_fn(state, batch, *extra) -> new_state or (new_state, ...)`, or an
+        NNX step taking its objects anywhere (`step(model, optimizer, rngs, batch, metrics)`).
+        The batch is the first argument that is not the state or an NNX object;
+        `batch_argnum` names its position where that is not so. `static_argnums`: arguments
+        that stay Python values, as `jax.jit`'s (a config, a learning-rate function). Either
+        `zero(step, static_argnums=(2, 3))` or `@zero(static_argnums=(2, 3))`."""
+        if step_fn is None:
+            return functools.partial(
+                self.__call__, batch_argnum=batch_argnum, static_argnums=static_argnums
+            )
+        if isinstance(static_argnums, int):
+            static_argnums = (static_argnums,)
+        return ZeroStep(self, step_fn, batch_argnum, tuple(static_argnums))
 
     def load_safetensors(self, state: PyTree, path: str, *, names=None, transpose=None) -> PyTree:
         """`state` with its parameters read from a Hugging Face style safetensors file, each

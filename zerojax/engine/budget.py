@@ -60,9 +60,10 @@ def budget_bytes(budget, device) -> int:
     return int(budget * limit)
 
 
-def fit_budget(zero, fn, args):
+def fit_budget(zero, fn, args, call_options: dict):
     """(the step of `fn` that fits zero.config.memory_budget, its BudgetChoice) for the call
-    `fn(*args)`. Raises ZeroError when even stage 3 as is does not fit."""
+    `fn(*args)` (`call_options`: the step's batch_argnum and static_argnums). Raises ZeroError
+    when even stage 3 as is does not fit."""
     cfg = zero.config
     budget = budget_bytes(cfg.memory_budget, zero.mesh.devices.flat[0])
     compiles = 0
@@ -71,7 +72,7 @@ def fit_budget(zero, fn, args):
         nonlocal compiles
         compiles += 1
         variant = type(zero)(cfg.replace(memory_budget=0, keep_gathered=keep), zero.mesh)
-        step = variant(fn)
+        step = variant(fn, **call_options)
         return step, variant.report(step, *args)
 
     plain, report = compiled(())
@@ -108,7 +109,7 @@ def fit_budget(zero, fn, args):
 def _by_gathered_bytes(zero, step, args) -> list:
     """The step's units, those whose split weights are largest (their gathers move the most
     bytes) first."""
-    tree = split_call(args)[0].tree
+    tree = split_call(args, step.batch_argnum, step.static_argnums).state.tree
     plans = with_units(list(zero.layout(tree).plans), step.units_of(*args))
     cost: collections.Counter[str] = collections.Counter()
     for plan in plans:

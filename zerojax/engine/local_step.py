@@ -31,7 +31,7 @@ def local_body(fn, cfg, comm, param_grad_specs, log, micro, state, batch, extra)
         apply_fn=local_apply_fn(original, cfg, log, axis, local_rows(batch), scale),
     )
     with capture_gradients() as sink:
-        out = fn(view, batch, *extra)
+        out = fn((view,), batch, *extra)
     grads = one_capture(sink)
     new_state, rest = split_output(out, state)
     opt = state.opt_state

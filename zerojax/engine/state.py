@@ -74,61 +74,120 @@ def managed(user: Boundary, tree, cfg: ZeroConfig, axis_size: int) -> Boundary:
     return boundary(objs)
 
 
-def split_call(args: tuple) -> tuple[Boundary, Any, tuple]:
-    """(the state's boundary, batch, extra) of a step call: `step(state, batch, *extra)` for a
-    pytree state, `step(model, optimizer, ..., batch, *extra)` for NNX objects."""
-    count = next((i for i, a in enumerate(args) if not _is_objects(a)), len(args))
-    if count == 0:
+@dataclasses.dataclass(frozen=True)
+class StepCall:
+    """A step call taken apart: the state's boundary (NNX objects: all of them, wherever they
+    stood, as `nnx.jit` takes them), the batch, the other arguments in order (`extra`), and
+    where each stood, so that the step runs on its arguments in the user's order."""
+
+    state: Boundary
+    batch: Any
+    extra: tuple
+    objects: tuple  # the user's NNX objects (updated in place after the step), or (state,)
+    order: tuple  # (the objects' positions, the batch's): part of the compile key
+
+
+def in_order(fn, order: tuple):
+    """`fn`, the user's step, as `g(objs, batch, *extra)`: the state's objects (a tuple: the
+    NNX objects, or the one pytree state), the batch and the other traced arguments put back
+    in the order of the user's call, with its static arguments (`StepCall.order`)."""
+    objects_at, batch_at, static = order
+    fixed = dict(static)
+
+    def ordered(objs: tuple, batch, *extra):
+        count = len(objects_at) + 1 + len(fixed) + len(extra)
+        objs_left, extra_left = iter(objs), iter(extra)
+        pick = lambda i: (
+            next(objs_left)
+            if i in objects_at
+            else batch
+            if i == batch_at
+            else fixed[i]
+            if i in fixed
+            else next(extra_left)
+        )
+        return fn(*(pick(i) for i in range(count)))
+
+    return ordered
+
+
+def split_call(
+    args: tuple, batch_argnum: int | None = None, static_argnums: tuple = ()
+) -> StepCall:
+    """A step call taken apart: `step(state, batch, *extra)` for a pytree state; for NNX
+    objects, every top-level argument that is one (or a tuple of them, taken as its items) is
+    the state, and the batch is the first other argument (`step(model, optimizer, rngs, batch,
+    metrics, pad_id)`, Flax's NNX gemma example), or the one at `batch_argnum`. The arguments
+    at `static_argnums` are static, as `jax.jit`'s: part of the compile key, never traced."""
+    if _is_objects(args[0] if args else None):  # a tuple of objects stands for its items
+        splat = lambda a: a if _is_objects(a) and isinstance(a, tuple) else (a,)
+        args = tuple(x for a in args for x in splat(a))
+    at = tuple(i for i, a in enumerate(args) if _is_objects(a))
+    if not at or at[0] != 0:  # a pytree state, first
+        if at:
+            raise ZeroError(
+                f"the step's argument {at[0]} is an NNX {type(args[at[0]]).__name__} but its "
+                f"first is a {type(args[0]).__name__}: a step takes either a pytree train "
+                "state first (step(state, batch, *extra)) or NNX objects (step(model, "
+                "optimizer, ..., batch, ...)), not both."
+            )
         if len(args) < 2:
             raise ZeroError("a zerojax step is called as step(state, batch, *extra).")
-        _check_no_objects_after(args[1:])
-        return boundary(args[0]), args[1], args[2:]
-    if count == len(args):
+        at = (0,)
+    static = _static(args, static_argnums, at)
+    rest = [i for i in range(len(args)) if i not in at and i not in dict(static)]
+    if not rest:
         raise ZeroError(
-            "an NNX zerojax step is called as step(model, optimizer, ..., batch, "
-            "*extra): no batch came after the NNX objects."
+            "a zerojax step is called as step(state, batch, ...) or step(model, optimizer, "
+            "..., batch, ...): no argument but the state and static ones, so no batch."
         )
-    _check_no_objects_after(args[count:])
-    objs = args[:count]
-    return boundary(objs if count > 1 else objs[0]), args[count], args[count + 1 :]
+    batch_at = rest[0] if batch_argnum is None else batch_argnum
+    if batch_at not in rest:
+        raise ZeroError(
+            f"batch_argnum={batch_argnum} names no batch among this call's {len(args)} "
+            f"arguments (the state or NNX objects are at {list(at)}, static ones at "
+            f"{[i for i, _ in static]}): give the position of the argument whose arrays have "
+            "the global batch's leading dimension."
+        )
+    extra = tuple(args[i] for i in rest if i != batch_at)
+    _check_no_objects_inside((args[batch_at], extra))
+    objs = tuple(args[i] for i in at)
+    state = boundary(objs if len(objs) > 1 else objs[0])
+    return StepCall(state, args[batch_at], extra, objs, (at, batch_at, static))
 
 
-def _check_no_objects_after(rest: tuple) -> None:
-    """An NNX object in or after the batch would be changed on a copy inside the compiled
-    step and its changes lost (`nnx.jit` keeps them): refused, with where it goes."""
+def _static(args: tuple, static_argnums: tuple, at: tuple) -> tuple:
+    """((position, value), ...) of the static arguments, each checked hashable (the compile
+    key holds them, as jax.jit's does)."""
+    out = []
+    for i in static_argnums:
+        if i in at or not 0 <= i < len(args):
+            raise ZeroError(
+                f"static_argnums names argument {i}, which this call of {len(args)} arguments "
+                "has not, or which is the state: name the positions of the step's Python "
+                "values (a config, a learning-rate function)."
+            )
+        try:
+            hash(args[i])
+        except TypeError:
+            raise ZeroError(
+                f"static argument {i} (a {type(args[i]).__name__}) is not hashable, and a "
+                "static argument is part of the compile key: make it hashable (a frozen "
+                "dataclass, a tuple), or pass it as a traced argument."
+            ) from None
+        out.append((i, args[i]))
+    return tuple(out)
+
+
+def _check_no_objects_inside(rest) -> None:
+    """An NNX object inside the batch or another argument's pytree would be changed on a copy
+    inside the compiled step and its changes lost: refused, with where it goes."""
     found = [x for x in jax.tree_util.tree_leaves(rest, is_leaf=is_nnx_object) if is_nnx_object(x)]
     if found:
         names = ", ".join(type(x).__name__ for x in found)
         raise ZeroError(
-            f"an NNX object ({names}) is passed in or after the batch, where a zerojax step "
-            "would update a copy and drop its changes: pass every NNX object before the "
-            "batch, e.g. step(model, optimizer, metrics, batch)."
+            f"an NNX object ({names}) is passed inside the batch or another argument's "
+            "pytree, where a zerojax step would update a copy and drop its changes: pass "
+            "each NNX object as an argument of its own, e.g. step(model, optimizer, metrics, "
+            "batch)."
         )
-
-
-class _Passed:
-    """Where an NNX object stood in a model call's arguments (it travels as state through the
-    per-device hook, `flax.model_calls.nnx_calls_hooked`)."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def objects_out(tree):
-    """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_nnx_object)
-    passed: list = []
-    for i, x in enumerate(leaves):
-        if is_nnx_object(x):
-            leaves[i] = _Passed(len(passed))
-            passed.append(x)
-    return jax.tree_util.tree_unflatten(treedef, leaves), passed
-
-
-def objects_in(tree, objects: list):
-    """`tree` with each `_Passed` replaced by its object from `objects`."""
-    return jax.tree_util.tree_map(
-        lambda x: objects[x.index] if isinstance(x, _Passed) else x,
-        tree,
-        is_leaf=lambda x: isinstance(x, _Passed),
-    )

@@ -45,7 +45,7 @@ from zerojax.engine.optim import (
     zero_opt_state,
 )
 from zerojax.engine.outputs import finish, one_capture, same_structure, split_output, with_metrics
-from zerojax.engine.state import Boundary, split_call
+from zerojax.engine.state import StepCall, in_order, split_call
 from zerojax.flax.model_calls import linen_calls_hooked, nnx_calls_hooked
 from zerojax.flax.nnx_managed import ManagedObjects
 
@@ -55,8 +55,10 @@ class ZeroStep:
     batch placement. `.trace(state, batch)` and `.lower(state, batch)` give the usual jax
     `Traced` and `Lowered` for inspection."""
 
-    def __init__(self, zero, fn):
+    def __init__(self, zero, fn, batch_argnum: int | None = None, static_argnums: tuple = ()):
         self.zero, self.fn = zero, fn
+        self.batch_argnum = batch_argnum  # where the batch stands, when not the first non-state
+        self.static_argnums = tuple(static_argnums)  # Python arguments, as jax.jit's
         self._jitted: dict[tuple, tuple] = {}  # compile key: (jitted, shardings, TraceLog)
         self._last: TraceLog | None = None  # what the trace of the variant last run found
         # the micro-batch position of the state the last call returned, known without reading
@@ -75,7 +77,8 @@ class ZeroStep:
         if self._fitted is None:
             from zerojax.engine.budget import fit_budget
 
-            self._fitted, self.budget = fit_budget(self.zero, self.fn, args)
+            options = {"batch_argnum": self.batch_argnum, "static_argnums": self.static_argnums}
+            self._fitted, self.budget = fit_budget(self.zero, self.fn, args, options)
         return self._fitted
 
     # ---- calling -----------------------------------------------------------------------------
@@ -91,20 +94,21 @@ class ZeroStep:
             out = fitted(*args)
             self._last = fitted._last
             return out
-        call, batch, extra = split_call(args)
-        check_call(call.tree, batch, extra)
+        call = split_call(args, self.batch_argnum, self.static_argnums)
+        batch, extra = call.batch, call.extra
+        check_call(call.state.tree, batch, extra)
         self._raise_if_scale_exhausted()
         self.check()
-        micro_index = self._micro_index(call.tree)
+        micro_index = self._micro_index(call.state.tree)
         micro = self._is_micro(micro_index)
-        jitted, shardings, log, batch = self._prepare(call, batch, extra, micro, args)
-        check_placed(call.tree, shardings)
-        out = jitted(call.tree, batch, *extra)
+        jitted, shardings, log, batch = self._prepare(call, micro, args)
+        check_placed(call.state.tree, shardings)
+        out = jitted(call.state.tree, batch, *extra)
         self._last = log
         self._warn_if_not_hooked()
-        if call.objects is not None:  # NNX: the objects take the new state, fn's return is out
+        if call.state.objects is not None:  # NNX: the objects take the new state, fn's return
             new_tree, out = out
-            call.objects.update(args[: len(args) - len(extra) - 1], new_tree)
+            call.state.objects.update(call.objects, new_tree)
             step = None
         else:
             new_tree = out[0] if isinstance(out, tuple) else out
@@ -148,9 +152,9 @@ class ZeroStep:
             traced = fitted.trace(*args, micro=micro)
             self._last = fitted._last
             return traced
-        state, batch, extra = split_call(args)
-        jitted, _, log, batch = self._prepare(state, batch, extra, micro, args)
-        traced = jitted.trace(state.tree, batch, *extra)
+        call = split_call(args, self.batch_argnum, self.static_argnums)
+        jitted, _, log, batch = self._prepare(call, micro, args)
+        traced = jitted.trace(call.state.tree, batch, *call.extra)
         self._last = log
         self._warn_if_not_hooked()
         return traced
@@ -205,15 +209,16 @@ class ZeroStep:
                 "precision='bf16', or lower min_loss_scale."
             )
 
-    def _prepare(self, state: Boundary, batch, extra, micro: bool, args: tuple):
+    def _prepare(self, call: StepCall, micro: bool, args: tuple):
         """(jitted function, state shardings, its TraceLog, placed batch), compiled once per
-        structure, shapes and variant; the checks that depend only on those (`args`: the user's
-        call) run then, off the per-call path."""
-        tree, objects = state.tree, state.objects
-        batch = self.zero.place_batch(batch)
+        structure, shapes, argument order and variant; the checks that depend only on those
+        (`args`: the user's call) run then, off the per-call path."""
+        tree, objects, extra = call.state.tree, call.state.objects, call.extra
+        batch = self.zero.place_batch(call.batch)
         key = (
             jax.tree_util.tree_structure((tree, batch, extra)),
             micro,
+            call.order,
             None if objects is None else objects.graphdef,
             tuple(np.shape(x) for x in jax.tree_util.tree_leaves((tree, batch))),
         )
@@ -231,18 +236,19 @@ class ZeroStep:
             shardings = layout.shardings(self.zero.mesh)
             rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
             log = TraceLog()
+            fn = in_order(self.fn, call.order)
             if objects is None:
-                traced = functools.partial(self._traced, log, layout, shardings, rows, micro)
+                traced = functools.partial(self._traced, fn, log, layout, shardings, rows, micro)
             else:
                 traced = functools.partial(
-                    self._traced_objects, log, objects, layout, shardings, rows, micro
+                    self._traced_objects, fn, log, objects, layout, shardings, rows, micro
                 )
             donate = (0,) if self.zero.config.donate else ()
             self._jitted[key] = (jax.jit(traced, donate_argnums=donate), shardings, log)
         return (*self._jitted[key], batch)
 
     # ---- tracing -----------------------------------------------------------------------------
-    def _traced(self, log, layout, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced(self, fn, log, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
         log.calls.clear()  # a trace again (jax retraces) notes its calls afresh
         state = jax.lax.with_sharding_constraint(state, shardings)
@@ -251,17 +257,17 @@ class ZeroStep:
             state, shardings, keep=(lambda p: category_of(p) == OPT_STATE) if host_update else None
         )
         if cfg.manages_update and present(state.opt_state.per_device):  # optim.prepare_state
-            out = self._traced_local(log, layout, shardings, micro, state, batch, *extra)
+            out = self._traced_local(fn, log, layout, shardings, micro, state, batch, *extra)
         else:
             out = self._traced_global(
-                log, layout, shardings, batch_rows, micro, state, batch, *extra
+                fn, log, layout, shardings, batch_rows, micro, state, batch, *extra
             )
         return finish(out, state, shardings, cast=cfg.uses_16bit and not micro)
 
     def _traced_objects(
-        self, log, objects, layout, shardings, batch_rows, micro, state, batch, *extra
+        self, fn, log, objects, layout, shardings, batch_rows, micro, state, batch, *extra
     ):
-        """NNX objects: `fn(*objects, batch, *extra)` on objects merged from the placed dict
+        """NNX objects: `fn(objects, batch, *extra)` on objects merged from the placed dict
         state; the objects' calls on the batch run through the per-device hook, and a managed
         update is applied as for a TrainState (`flax.nnx_managed`)."""
         cfg = self.zero.config
@@ -297,7 +303,7 @@ class ZeroStep:
             hooked = nnx_calls_hooked(hook, batch_rows, objs, objects.prefixes)
         with hooked, updating(managed.update) if managed else nullcontext([]) as updates:
             try:
-                out = self.fn(*objs, batch, *extra)
+                out = fn(objs, batch, *extra)
             except AttributeError as e:
                 if not any(getattr(e, "obj", None) is o for o in objs):
                     raise
@@ -329,7 +335,7 @@ class ZeroStep:
             apply, mesh, comm, cfg, layout, batch_rows, log, scale, stateful
         )
 
-    def _traced_global(self, log, layout, shardings, batch_rows, micro, state, batch, *extra):
+    def _traced_global(self, fn, log, layout, shardings, batch_rows, micro, state, batch, *extra):
         cfg = self.zero.config
         original = getattr(state, "apply_fn", None)
         managed = cfg.manages_update
@@ -352,7 +358,7 @@ class ZeroStep:
         hooked = linen_calls_hooked(hook, batch_rows) if explicit else contextlib.nullcontext()
         update = functools.partial(self._managed_update, layout, shardings, micro)
         with updating(update) if managed else nullcontext([]) as updates, hooked:
-            out = self.fn(view, batch, *extra)
+            out = fn((view,), batch, *extra)
         new_state, rest = split_output(out, state)
         if original is not None:
             new_state = new_state.replace(apply_fn=original)
@@ -399,7 +405,7 @@ class ZeroStep:
         host = (master, inner, grads, NamedSharding(mesh, P()))
         return functools.partial(optimizer_on_host, shardings=host)
 
-    def _traced_local(self, log, layout, shardings, micro, state, batch, *extra):
+    def _traced_local(self, fn, log, layout, shardings, micro, state, batch, *extra):
         cfg, mesh, comm = self.zero.config, self.zero.mesh, self.zero.comm
         # the step runs per device on its parameters' and optimizer state's storage layout,
         # and on whole other fields (an EMA split at rest is gathered for it)
@@ -407,7 +413,7 @@ class ZeroStep:
             lambda p, s: s.spec if category_of(p) in (PARAMS, OPT_STATE) else P(), shardings
         )
         param_grad_specs = layout.param_specs(state.params, "grad_spec")
-        body = functools.partial(local_body, self.fn, cfg, comm, param_grad_specs, log, micro)
+        body = functools.partial(local_body, fn, cfg, comm, param_grad_specs, log, micro)
         batch_specs = jax.tree_util.tree_map(
             lambda x: P(comm.data_axis) if np.ndim(x) else P(), batch
         )

@@ -50,7 +50,7 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
-from zerojax.core.call_plan import compute_dtype, dtype_of
+from zerojax.core.call_plan import compute_dtype, dtype_of, is_array, with_values
 from zerojax.core.config import ZeroConfig
 from zerojax.core.rules import spec_names
 from zerojax.core.trace_scope import current, scoped
@@ -151,12 +151,21 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
     """`apply(params, extra, args, kwargs) -> (outputs, written state)` run as the stage-3 unit
     at path `prefix` whose parameters (`shards`, a pytree of this device's shards keyed below
     `prefix`) are gathered only while it runs; `extra` holds what else it reads (other
-    collections, RNG keys), passed through undifferentiated. Linen's and NNX's units both run
-    through here."""
+    collections, RNG keys), passed through undifferentiated. `args` and `kwargs` are the
+    module's call as written: their arrays are differentiated (floats) or passed through
+    (integers, bools, keys), everything else stays a Python value. Linen's and NNX's units
+    both run through here."""
     ctx = current().gather
     assert ctx is not None, "a unit runs inside a zerojax stage-3 step"
 
-    def inside(params, extra, a, k):
+    # the call's arrays (any pytree, by position or keyword) enter the custom VJP as its
+    # inputs; every other value (a `train: bool`, a string, None, a dataclass, a callable) is
+    # closed over as the module would see it called plainly: static, never traced
+    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(flat) if is_array(x)]
+
+    def inside(params, extra, values):
+        a, k = with_values(flat, arrays, values, tree)
         with scoped(inside_unit=True):  # modules inside the unit run on the gathered weights
             return apply(params, extra, a, k)
 
@@ -174,7 +183,8 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
         )
         whole = (whole, layer)
     keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.config.keep_gathered)
-    return layer_call(inside, dims, ctx, shards, extra, args, kwargs, scanned, whole, keep)
+    values = [flat[i] for i in arrays]
+    return layer_call(inside, dims, ctx, shards, extra, values, scanned, whole, keep)
 
 
 def _layer_slice(stack, leaf, layer):
@@ -406,7 +416,7 @@ def _saved_in_forward(primitive, *_, **__) -> bool:
     return primitive.name not in _REDONE_IN_BACKWARD
 
 
-def _forward_saving_activations(apply, params, extra, args, kwargs):
+def _forward_saving_activations(apply, params, extra, args):
     """(outputs, (treedef, slots, saved)): the unit's forward with autodiff's residuals for its
     backward, less its weights (`slots[i]`: the index of the weight residual i is, or None for
     an activation kept in `saved`), which backward gathers again rather than keep. A value a
@@ -416,7 +426,7 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
     merge it with; the barrier made the compiler hold every saved activation at one point
     (BENCHMARKS.md 1d)."""
     run = jax.checkpoint(
-        lambda p, a: apply(p, extra, a, kwargs), policy=_saved_in_forward, prevent_cse=False
+        lambda p, a: apply(p, extra, a), policy=_saved_in_forward, prevent_cse=False
     )
     out, vjp, state = jax.vjp(run, params, args, has_aux=True)
     residuals, treedef = jax.tree_util.tree_flatten(vjp)
@@ -426,10 +436,8 @@ def _forward_saving_activations(apply, params, extra, args, kwargs):
     return (out, state), (treedef, slots, saved)
 
 
-def layer_call(
-    apply, dims, ctx, shards, extra, args, kwargs, scanned=False, whole=None, keep=False
-):
-    """`apply(gathered params, extra, args, kwargs) -> (outputs, written state)` with the memory
+def layer_call(apply, dims, ctx, shards, extra, args, scanned=False, whole=None, keep=False):
+    """`apply(gathered params, extra, args) -> (outputs, written state)` with the memory
     behaviour of the module docstring; backward recomputes it with the same `extra` (the same
     RNG keys, so the same dropout masks). `keep`: the gathered weights stay alive from forward
     to backward (`keep_gathered`), which then gathers nothing."""
@@ -438,7 +446,7 @@ def layer_call(
 
     @jax.custom_vjp
     def run(shards, whole, args, extra, anchor, scale):
-        return apply(_weights(shards, dims, ctx, whole, anchor), extra, args, kwargs)
+        return apply(_weights(shards, dims, ctx, whole, anchor), extra, args)
 
     saved_layout = {}  # recompute=False: the residuals' structure and where the weights go
 
@@ -448,9 +456,9 @@ def layer_call(
         if keep:  # the gathered weights themselves are backward's, nothing to gather again
             whole = params
         if ctx.config.recompute_units:
-            out, saved = apply(params, extra, args, kwargs), args
+            out, saved = apply(params, extra, args), args
         else:
-            out, saved = _forward_saving_activations(apply, params, extra, args, kwargs)
+            out, saved = _forward_saving_activations(apply, params, extra, args)
             saved_layout["treedef"], saved_layout["slots"], saved = saved
         if ctx.config.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Host)
@@ -469,7 +477,7 @@ def layer_call(
         else:
             params = _weights(shards, dims, ctx, whole, wait)
         if ctx.config.recompute_units:
-            _, vjp = jax.vjp(lambda p, a: apply(p, extra, a, kwargs)[0], params, saved)
+            _, vjp = jax.vjp(lambda p, a: apply(p, extra, a)[0], params, saved)
         else:  # the saved activations, with the weights gathered again where they were used
             weights = jax.tree_util.tree_leaves(params)
             found = iter(saved)

@@ -17,8 +17,8 @@ from flax.core.scope import Scope
 from zerojax.core.call_plan import is_array, with_values
 from zerojax.core.rules import PARAMS
 from zerojax.engine.hook import model_running, running_model
-from zerojax.engine.state import objects_in, objects_out
 from zerojax.flax.gather import inside_unit
+from zerojax.flax.nnx import objects_in, objects_out
 from zerojax.flax.nnx_calls import routed, split_params, with_params
 
 

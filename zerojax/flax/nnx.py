@@ -109,3 +109,32 @@ def _single_key(state):
 
 def _strip(pure: dict, head):
     return pure if head is None else pure.get(head, {})
+
+
+class _Passed:
+    """Where an NNX object stood in a model call's arguments: it travels as its state through
+    the per-device hook (`flax.model_calls.nnx_calls_hooked`) or into a stage-3 unit
+    (`flax.nnx_calls`), and is merged again on the other side."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def objects_out(tree):
+    """(`tree` with each NNX object in it replaced by a `_Passed`, the objects)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_nnx_object)
+    passed: list = []
+    for i, x in enumerate(leaves):
+        if is_nnx_object(x):
+            leaves[i] = _Passed(len(passed))
+            passed.append(x)
+    return jax.tree_util.tree_unflatten(treedef, leaves), passed
+
+
+def objects_in(tree, objects: list):
+    """`tree` with each `_Passed` replaced by its object from `objects`."""
+    return jax.tree_util.tree_map(
+        lambda x: objects[x.index] if isinstance(x, _Passed) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, _Passed),
+    )

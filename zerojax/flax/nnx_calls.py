@@ -21,6 +21,7 @@ from flax import nnx
 
 from zerojax.core.trace_scope import current, scoped
 from zerojax.flax.gather import run_unit
+from zerojax.flax.nnx import objects_in, objects_out
 from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
 
 
@@ -131,20 +132,30 @@ def _record(module, path: str) -> ModuleCall:
 
 def _run_unit(module, path: str, original, args, kwargs):
     """The NNX `module`'s call as a stage-3 unit: it reads its other NNX state (RNG streams,
-    batch statistics) as they are and writes back what the call changed."""
+    batch statistics) as they are and writes back what the call changed. NNX objects passed to
+    the call (an `nnx.Rngs` given at call time, as Flax's NNX gemma example gives each block)
+    enter as their state, so that the unit's forward and backward draw the same keys, and
+    advance as they would have in a plain call."""
     graphdef, params, rest = split_params(module)
+    (args, kwargs), passed = objects_out((args, kwargs))
+    splits = [nnx.split(obj) for obj in passed]
 
-    def apply(pure, rest, a, k):
-        rest = jax.tree_util.tree_map(lambda x: x, rest)  # Variables of this trace, writable
+    def apply(pure, extra, a, k):
+        rest, states = jax.tree_util.tree_map(lambda x: x, extra)  # this trace's Variables
         before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
         copy = nnx.merge(graphdef, with_params(params, pure), rest)
+        given = [nnx.merge(g, s) for (g, _), s in zip(splits, states, strict=True)]
+        a, k = objects_in((a, k), given)
         out = original(copy, *a, **k)
         # only what the call changed is written back: a frozen BatchNorm's statistics (read
         # only) live outside this trace, where they cannot be written
         after = nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param)))
         changed = [(p, v) for p, v in after if p not in before or v.get_value() is not before[p]]
-        return out, nnx.from_flat_state(changed)
+        return out, (nnx.from_flat_state(changed), [nnx.state(o) for o in given])
 
-    out, written = run_unit(path, nnx.to_pure_dict(params), apply, rest, args, kwargs)
+    extra = (rest, [state for _, state in splits])
+    out, (written, states) = run_unit(path, nnx.to_pure_dict(params), apply, extra, args, kwargs)
     nnx.update(module, written)
+    for obj, state in zip(passed, states, strict=True):
+        nnx.update(obj, state)
     return out

@@ -248,7 +248,8 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
     k = zero.config.accumulation_steps if zero.config.manages_update else 1
-    tree = split_call((state, batch, *extra))[0].tree  # NNX objects: their dict state
+    call = split_call((state, batch, *extra), step.batch_argnum, step.static_argnums)
+    tree = call.state.tree  # NNX objects: their dict state
     shapes = _param_shapes(
         [
             x
