@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import weakref
 from contextlib import nullcontext
 
@@ -103,7 +104,8 @@ class ZeroStep:
         micro = self._is_micro(micro_index)
         jitted, shardings, log, batch = self._prepare(call, micro, args)
         check_placed(call.state.tree, shardings)
-        out = jitted(call.state.tree, batch, *extra)
+        with pmap_collectives_named(self.fn):
+            out = jitted(call.state.tree, batch, *extra)
         self._last = log
         self._warn_if_not_hooked()
         if call.state.objects is not None:  # NNX: the objects take the new state, fn's return
@@ -154,7 +156,8 @@ class ZeroStep:
             return traced
         call = split_call(args, self.batch_argnum, self.static_argnums)
         jitted, _, log, batch = self._prepare(call, micro, args)
-        traced = jitted.trace(call.state.tree, batch, *call.extra)
+        with pmap_collectives_named(self.fn):
+            traced = jitted.trace(call.state.tree, batch, *call.extra)
         self._last = log
         self._warn_if_not_hooked()
         return traced
@@ -476,3 +479,21 @@ def _split_like_master(params, shardings):
 def _constrain(tree, shardings):
     """`tree` laid out like `shardings` (their split, in device memory)."""
     return jax.lax.with_sharding_constraint(tree, _device(shardings))
+
+
+@contextlib.contextmanager
+def pmap_collectives_named(fn):
+    """A step written for `jax.pmap` (a `lax.pmean` over its axis name, as Flax's imagenet
+    example's) fails with a ZeroError saying what to remove, not jax's unbound-axis NameError."""
+    try:
+        yield
+    except NameError as e:
+        match = re.search(r"unbound axis name: (\S+?)\.", str(e))
+        if match is None:
+            raise
+        raise ZeroError(
+            f"{getattr(fn, '__name__', 'the step')} reduces over the axis {match[1]!r} "
+            "(lax.pmean / lax.psum), as a step written for jax.pmap does. A zerojax step is "
+            "one program over the global batch whose gradients zerojax reduces, as under "
+            "jax.jit: remove the collective (its gradients and metrics are global already)."
+        ) from None

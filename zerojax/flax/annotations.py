@@ -31,15 +31,41 @@ def read_linen_boxes(state, mesh, cfg: ZeroConfig):
     flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_box)[0]
     if not any(_is_box(x) for _, x in flat):
         return state, {}
-    layouts = {}
-    for path, box in flat:
-        if _is_box(box) and category_of(path) == PARAMS:
-            names = tuple(box.get_partition_spec())
-            rules = tuple(getattr(box, "rules", None) or ())
-            layouts[path_str(path[1:])] = tensor_spec(
-                names, box.unbox().shape, mesh, cfg, path_str(path[1:]), rules
-            )
-    return nn.meta.unbox(state), layouts
+    declared = [
+        (
+            path_str(path[1:]),
+            tuple(box.get_partition_spec()),
+            box.unbox().shape,
+            tuple(getattr(box, "rules", None) or ()),
+        )
+        for path, box in flat
+        if _is_box(box) and category_of(path) == PARAMS
+    ]
+    return nn.meta.unbox(state), tensor_specs_of(declared, mesh, cfg)
+
+
+def tensor_specs_of(declared: list, mesh, cfg: ZeroConfig) -> dict:
+    """{path: TensorSpec} of the leaves `declared` as [(path, names, shape, rules)]. Logical
+    names that neither the mesh nor any rule knows are named all at once, with a
+    `logical_rules=` that works on this mesh."""
+    known = {name for name, _ in (*cfg.logical_rules, *nn.get_logical_axis_rules())}
+    missing: dict[str, str] = {}
+    for path, names, _, rules in declared:
+        for name in (one for entry in names for one in spec_names(entry)):
+            if name not in mesh.shape and name not in known | {r[0] for r in rules}:
+                missing.setdefault(name, path)
+    if missing:
+        listed = ", ".join(f"{n!r} ({p})" for n, p in missing.items())
+        rules = tuple((n, None) for n in missing) + tuple(cfg.logical_rules)
+        raise ZeroError(
+            f"the model declares logical axes that are neither mesh axes "
+            f"{tuple(mesh.axis_names)} nor in logical_rules: {listed}. Map each to a "
+            f"tensor-parallel mesh axis or to None (replicated; ZeRO still shards it), e.g. "
+            f"zero_shard(..., logical_rules={rules!r})."
+        )
+    return {
+        path: tensor_spec(names, shape, mesh, cfg, path, r) for path, names, shape, r in declared
+    }
 
 
 def carried_tensor_specs(state, mesh, cfg: ZeroConfig) -> dict:
@@ -63,8 +89,9 @@ def carried_tensor_specs(state, mesh, cfg: ZeroConfig) -> dict:
 
 
 def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) -> TensorSpec:
-    """The mesh axes a leaf's declared `names` (logical or mesh axes, one per dimension) map to,
-    checked against the mesh, the ZeRO axes and the leaf's shape."""
+    """The mesh axes a leaf's declared `names` (logical or mesh axes, one per dimension, each
+    known: `tensor_specs_of` checks) map to, checked against the mesh, the ZeRO axes and the
+    leaf's shape."""
     names = tuple(names) + (None,) * (len(shape) - len(names))
     rules: dict[str, Any] = {}
     for name, axis in (*cfg.logical_rules, *extra_rules, *nn.get_logical_axis_rules()):
@@ -75,13 +102,7 @@ def tensor_spec(names, shape, mesh, cfg: ZeroConfig, path: str, extra_rules=()) 
     for dim, name in enumerate(names):
         resolved: list[str] = []
         for one in spec_names(name):
-            axis = one if one in sizes else rules.get(one, KeyError)
-            if axis is KeyError:
-                raise ZeroError(
-                    f"parameter {path} declares axis {one!r} on dim {dim}, which is neither a "
-                    f"mesh axis {tuple(mesh.axis_names)} nor in logical_rules: add a rule such "
-                    f"as ({one!r}, 'model') or ({one!r}, None)."
-                )
+            axis = one if one in sizes else rules[one]  # tensor_specs_of named any missing
             resolved += spec_names(axis)
         for axis in resolved:
             if axis in zero_axes:

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from zerojax.core.rules import path_str
-from zerojax.flax.annotations import tensor_spec
+from zerojax.flax.annotations import tensor_specs_of
 
 FIELDS = ("params", "opt_state", "other")
 NNX_UNMANAGED = (
@@ -83,19 +83,18 @@ class NnxLayout:
         specs = nnx.to_pure_dict(nnx.get_partition_spec(self.templates[0]))
         specs = _strip(specs, self.heads[0])
         shapes = _strip(nnx.to_pure_dict(self.templates[0]), self.heads[0])
-        out = {}
-        for (path, spec), shape in zip(
-            jax.tree_util.tree_flatten_with_path(
-                specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
-            )[0],
-            jax.tree_util.tree_leaves(shapes),
-            strict=True,
-        ):
-            if any(e is not None for e in spec):
-                out[path_str(path)] = tensor_spec(
-                    tuple(spec), shape.shape, mesh, cfg, path_str(path)
-                )
-        return out
+        declared = [
+            (path_str(path), tuple(spec), shape.shape, ())
+            for (path, spec), shape in zip(
+                jax.tree_util.tree_flatten_with_path(
+                    specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+                )[0],
+                jax.tree_util.tree_leaves(shapes),
+                strict=True,
+            )
+            if any(e is not None for e in spec)
+        ]
+        return tensor_specs_of(declared, mesh, cfg)
 
 
 def _abstract(x):

@@ -1,0 +1,253 @@
+"""The conformance lane: published model code, unchanged (Flax's own examples, from Flax's
+source distribution on the package registry: tests/published.py), driven by its own train step
+with its own argument order, at stages 0-3 with zerojax's defaults (and every leaf split, so
+that the tiny configurations shard at all), against the same step under `jax.jit` /
+`nnx.jit` on one device. docs/units.md has the table these tests hold."""
+
+import contextlib
+import functools
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from common import assert_trees_close
+from flax import nnx
+from published import load
+
+import zerojax as zj
+
+STAGES = (0, 1, 2, 3)
+ROWS = 16  # the global batch: 2 rows per simulated device
+TOL = 1e-4  # fp32, the issue's bound for 3 AdamW steps
+
+
+def zero_for(stage, **options):
+    """A zero_shard with the defaults, but every leaf of these tiny models split (their leaves
+    are under the default persistence_threshold, which would keep stage 3 from gathering)."""
+    return zj.zero_shard(stage=stage, **({"persistence_threshold": 0} if stage else {}), **options)
+
+
+@contextlib.contextmanager
+def no_zero_warning():
+    """Inside, a ZeroWarning fails the test: the published code needs no change or hint."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zj.ZeroWarning)
+        yield
+
+
+# ---- Flax examples/gemma (NNX): its nnx_train_step, call-time Rngs, metrics ------------------
+GEMMA_STAND_INS = (
+    "clu",
+    "clu.metric_writers",
+    "clu.periodic_actions",
+    "grain",
+    "input_pipeline",
+    "sampler",
+    "tokenizer",
+)
+
+
+@functools.cache
+def gemma():
+    return load("gemma", ("train", "transformer", "transformer_cfg"), GEMMA_STAND_INS)
+
+
+def gemma_build(dropout_rate: float):
+    cfg_lib = gemma().transformer_cfg
+    kinds = cfg_lib.AttentionType
+    config = cfg_lib.TransformerConfig(
+        num_layers=4,
+        num_embed=128,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=2,
+        head_dim=16,
+        num_kv_heads=1,
+        final_logit_softcap=30.0,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        attention_types=cfg_lib.make_attention_layers_types((kinds.LOCAL_SLIDING, kinds.GLOBAL), 4),
+        use_qk_norm=True,
+        sliding_window_size=4,
+        dropout_rate=dropout_rate,
+    )
+    model = gemma().transformer.Transformer(config, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"), accuracy=nnx.metrics.Accuracy())
+    return model, optimizer, nnx.Rngs(1), metrics
+
+
+def gemma_batches(n=3, length=12):
+    """What the example's packed input pipeline yields."""
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        inputs = rng.integers(1, 128, (ROWS, length)).astype(np.int32)
+        out.append(
+            {
+                "inputs": inputs,
+                "targets": np.roll(inputs, -1, 1),
+                "inputs_position": np.tile(np.arange(length, dtype=np.int32), (ROWS, 1)),
+                "inputs_segmentation": np.ones((ROWS, length), np.int32),
+            }
+        )
+    return out
+
+
+def gemma_train(step, objs, batches):
+    model, optimizer, rngs, metrics = objs
+    for batch in batches:  # as the example's loop calls it: label_smoothing, pad_id
+        step(model, optimizer, rngs, batch, metrics, 0.0, 0)
+    return metrics.compute(), nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def test_flax_nnx_gemma_example_trains_at_every_stage_as_on_one_device():
+    batches = gemma_batches()
+    with jax.default_device(jax.devices()[0]):
+        jitted = nnx.jit(
+            gemma().train.nnx_train_step, static_argnames=("label_smoothing", "pad_id")
+        )
+        want, want_params = gemma_train(jitted, gemma_build(0.0), batches)
+    for stage in STAGES:
+        zero = zero_for(stage)
+        with no_zero_warning():
+            objs = zero.init(functools.partial(gemma_build, 0.0))
+            step = zero(gemma().train.nnx_train_step)
+            got, params = gemma_train(step, objs, batches)
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=TOL)
+        np.testing.assert_allclose(got["accuracy"], want["accuracy"], atol=1e-6)
+        assert_trees_close(params, want_params, rtol=TOL, atol=TOL)
+        assert step.units == (() if stage == 0 else tuple(f"layers/{i}" for i in range(4)))
+
+
+def test_flax_nnx_gemma_example_with_dropout_draws_stage_0s_masks_at_every_stage():
+    """Dropout from the Rngs the step passes each block: every stage draws what stage 0 draws
+    on each device (one device draws other masks, so stage 0 is the reference)."""
+    batches = gemma_batches(2)
+    results = []
+    for stage in STAGES:
+        objs = zero_for(stage).init(functools.partial(gemma_build, 0.1))
+        step = zero_for(stage)(gemma().train.nnx_train_step)
+        results.append(gemma_train(step, objs, batches))
+        assert int(objs[2].default.count[...]) == 2  # rngs.fork() advanced it once a step
+    for metrics, params in results[1:]:
+        np.testing.assert_allclose(metrics["loss"], results[0][0]["loss"], rtol=TOL)
+        assert_trees_close(params, results[0][1], rtol=TOL, atol=TOL)
+
+
+# ---- Flax examples/lm1b (Linen): its train_step with static config and dropout_rng ------------
+LM1B_STAND_INS = (
+    "clu",
+    "clu.metric_writers",
+    "clu.periodic_actions",
+    "ml_collections",
+    "tensorflow",
+    "input_pipeline",
+)
+# the example's logical names, on a data-only mesh (its own rules name 'fsdp' and 'tensor')
+LM1B_RULES = (("embed", None), ("mlp", None), ("kv", None), ("vocab", None))
+
+
+@functools.cache
+def lm1b():
+    return load("lm1b", ("train", "models", "utils"), LM1B_STAND_INS)
+
+
+class Lm1bConfig:  # the fields of the example's ml_collections config that init reads
+    per_device_batch_size, max_target_length = 2, 16
+
+
+def lm1b_setup(dropout_rate: float):
+    ex = lm1b()
+    config = ex.models.TransformerConfig(
+        vocab_size=64,
+        output_vocab_size=64,
+        logits_via_embedding=True,
+        emb_dim=32,
+        num_heads=2,
+        num_layers=3,
+        qkv_dim=32,
+        mlp_dim=64,
+        max_len=16,
+        dropout_rate=dropout_rate,
+        attention_dropout_rate=dropout_rate,
+        deterministic=False,
+    )
+    lr = ex.train.create_learning_rate_schedule(learning_rate=1e-3, warmup_steps=10)
+    tx = optax.adamw(lr, b1=0.9, b2=0.98, eps=1e-9, weight_decay=0.1)
+    model = ex.models.TransformerLM(config.replace(deterministic=True))
+    init_fn = functools.partial(ex.utils.init_train_state, model, tx, Lm1bConfig)
+    return config, lr, init_fn
+
+
+def lm1b_batches(n=3):
+    rng = np.random.default_rng(0)
+    return [{"inputs": rng.integers(1, 64, (ROWS, 16)).astype(np.int32)} for _ in range(n)]
+
+
+def lm1b_train(step, state, config, lr, batches):
+    for batch in batches:  # as the example's loop calls its jitted step
+        state, metrics = step(state, batch, config, lr, 0.0, jax.random.key(1))
+    return state, metrics
+
+
+def test_flax_lm1b_example_trains_at_every_stage_as_on_one_device_and_restores_across(
+    tmp_path,
+):
+    config, lr, init_fn = lm1b_setup(0.0)
+    batches = lm1b_batches()
+    with jax.default_device(jax.devices()[0]):
+        jitted = jax.jit(lm1b().train.train_step, static_argnums=(2, 3, 4))
+        want, _ = lm1b_train(jitted, jax.jit(init_fn)(jax.random.key(0)), config, lr, batches)
+    states = {}
+    for stage in STAGES:
+        zero = zero_for(stage, logical_rules=LM1B_RULES)
+        with no_zero_warning():
+            state = zero.init(init_fn, jax.random.key(0))
+            step = zero(lm1b().train.train_step, static_argnums=(2, 3, 4))
+            state, _ = lm1b_train(step, state, config, lr, batches)
+        assert_trees_close(state.params, want.params, rtol=TOL, atol=TOL)
+        blocks = tuple(f"decoder/encoderdecoderblock_{i}" for i in range(3))
+        assert step.units == (() if stage == 0 else blocks)
+        states[stage] = (zero, state)
+    zero, state = states[3]
+    with zj.CheckpointManager(str(tmp_path), zero) as ckpt:
+        ckpt.save(3, state, force=True)
+    for stage in (0, 1):  # restored onto another stage's layout, bitwise
+        zero = states[stage][0]
+        with zj.CheckpointManager(str(tmp_path), zero) as ckpt:
+            restored, _ = ckpt.restore(zero.eval_shape(init_fn, jax.random.key(0)))
+        assert_trees_close(restored.params, state.params, rtol=0, atol=0)
+
+
+def test_a_missing_logical_rule_error_names_every_missing_name_and_rules_that_work():
+    _, _, init_fn = lm1b_setup(0.0)
+    with pytest.raises(zj.ZeroError) as raised:
+        zero_for(3).init(init_fn, jax.random.key(0))
+    for name in ("embed", "mlp", "kv", "vocab"):
+        assert repr(name) in str(raised.value), (name, str(raised.value))
+    assert "logical_rules=" in str(raised.value)
+
+
+# ---- Flax examples/imagenet (Linen ResNet, BatchNorm, train: bool): a jax.pmap step ---------
+def test_flax_imagenet_examples_pmap_step_is_refused_with_what_to_remove():
+    """Its train_step averages the gradients with `lax.pmean(grads, axis_name='batch')`: a
+    program for jax.pmap, which jax.jit cannot trace either. zerojax says what to remove."""
+    stand_ins = (*LM1B_STAND_INS, "tensorflow_datasets")
+    ex = load("imagenet", ("train", "models"), stand_ins)
+    model = ex.models._ResNet1(num_classes=10, num_filters=8)
+
+    class Config:
+        half_precision, momentum = False, 0.9
+
+    lr = lambda step: 0.1
+    init_fn = lambda key: ex.train.create_train_state(key, Config, model, 16, lr)
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(ROWS, 16, 16, 3)).astype(np.float32)}
+    batch["label"] = rng.integers(0, 10, ROWS)
+    zero = zero_for(3)
+    state = zero.init(init_fn, jax.random.key(0))
+    with pytest.raises(zj.ZeroError, match="reduces over the axis 'batch'.*jax.pmap"):
+        zero(ex.train.train_step, static_argnums=(2,))(state, batch, lr)
