@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
+
+from jax._src import config as jax_config  # the trace-context option, see fresh_traces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,3 +53,32 @@ def scoped(**changes):
         yield
     finally:
         _SCOPE.reset(token)
+
+
+_TRACES = itertools.count()
+# an option of JAX's "trace context", the configuration its trace caches are keyed on, that only
+# names source files in lowered HLO (never lowered in here): set to patterns matching nothing
+_TRACE_KEY = jax_config.hlo_source_file_canonicalization_regex
+
+
+def _new_key() -> str:
+    return f"(?!)zerojax-{next(_TRACES)}"
+
+
+@contextlib.contextmanager
+def fresh_traces():
+    """Inside, a `jax.jit` that model code calls (Flax's `nn.jit`: gemma 4 wraps its
+    Transformer's `__call__`) traces its function again instead of reusing a trace cached
+    outside, so zerojax sees the module calls in it (the model hooked, its units found and
+    gathered); `retrace_from_here` renews that inside. Leaving restores JAX's setting."""
+    with _TRACE_KEY(_new_key()):
+        yield
+
+
+def retrace_from_here() -> None:
+    """Until the enclosing `fresh_traces` ends, a jit called from here on traces again rather
+    than reuse a trace made before: `nn.jit` blocks of one shape share a trace, in which
+    zerojax would see only the first block's module calls. Called at each module call zerojax
+    intercepts; a jit's cache is looked up before its module calls run, so the key cannot be
+    scoped to the call, only renewed."""
+    _TRACE_KEY.set_local(_new_key())

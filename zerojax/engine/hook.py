@@ -19,11 +19,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 
 import jax
 import numpy as np
-from jax._src import config as jax_config  # the trace-context option, see fresh_traces
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.device_values import combine_state, fold_keys
@@ -45,7 +43,7 @@ from zerojax.core.call_plan import (
 from zerojax.core.config import ZeroConfig
 from zerojax.core.errors import warn
 from zerojax.core.rules import PARAMS, StateLayout, key_name
-from zerojax.core.trace_scope import current, scoped
+from zerojax.core.trace_scope import current, fresh_traces, scoped
 from zerojax.flax.gather import LAYER, GatherContext
 from zerojax.flax.units import discovering, running_units, select_units
 
@@ -261,20 +259,6 @@ def _split_stateful(out):
             f"{type(out).__name__}, not (outputs, mutated variables)."
         )
     return out
-
-
-_TRACES = itertools.count()
-
-
-@contextlib.contextmanager
-def fresh_traces():
-    """Inside, a `jax.jit` the model calls (Flax's `nn.jit`, as gemma's Transformer wraps its
-    `__call__`) traces its function again instead of reusing a trace cached outside, so the
-    module calls in it are seen by zerojax (units found, units gathered). JAX keys its trace
-    caches on its "trace context" configuration; this sets one option of it that only names
-    source files in lowered HLO (never lowered in here) to a pattern matching nothing."""
-    with jax_config.hlo_source_file_canonicalization_regex(f"(?!)zerojax-{next(_TRACES)}"):
-        yield
 
 
 def _model(apply_fn, flat: list, positions: list, tree, offload_activations: bool):

@@ -225,13 +225,16 @@ def _to_memory(tree, space):
 
 
 def _scalar(anchor):
-    """A float32 scalar read from `anchor` (a pytree), or None when it holds no floats."""
+    """A float32 scalar read from every floating leaf of `anchor` (a pytree; one element each),
+    or None when it holds none. Every leaf, not the first: a cotangent's first leaf may be the
+    zeros of an output nothing used (gemma 4's blocks return their KV cache first), which
+    depends on nothing, and a gather waiting on it would be issued at the start of backward."""
     leaves = [
-        x
+        x.reshape(-1)[0].astype(jnp.float32)
         for x in jax.tree_util.tree_leaves(anchor)
-        if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        if jnp.issubdtype(jnp.result_type(x), jnp.floating) and np.size(x)
     ]
-    return leaves[0].reshape(-1)[0].astype(jnp.float32) if leaves else None
+    return sum(leaves[1:], leaves[0]) if leaves else None
 
 
 def _depend(tree, scalar):

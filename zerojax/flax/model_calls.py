@@ -16,6 +16,7 @@ from flax.core.scope import Scope
 
 from zerojax.core.call_plan import is_array, with_values
 from zerojax.core.rules import PARAMS
+from zerojax.core.trace_scope import fresh_traces
 from zerojax.engine.hook import model_running, running_model
 from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx import objects_in, objects_out
@@ -28,7 +29,9 @@ def linen_calls_hooked(hook, batch_rows: set):
     in a closure, not only `state.apply_fn`) runs through `hook(apply)`, the per-device
     `hooked_apply_fn`, when it can: a top-level call on the batch (an argument with its leading
     dimension), not initializing, its RNG streams plain keys. Collections it mutates are
-    written back combined (`zerojax.comm.device_values`)."""
+    written back combined (`zerojax.comm.device_values`). A model whose `__call__` is jitted
+    (gemma's `nn.jit`) is seen inside its jit, so the step's trace must not reuse that jit's
+    trace from a run outside zerojax (`fresh_traces`), or the model would run unhooked."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -49,7 +52,7 @@ def linen_calls_hooked(hook, batch_rows: set):
                 scope.put_variable(col, name, value)
         return out
 
-    with nn.intercept_methods(intercept):
+    with nn.intercept_methods(intercept), fresh_traces():
         yield
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from flax.core.scope import Scope
 
 from zerojax.core.errors import warn
-from zerojax.core.trace_scope import current, scoped
+from zerojax.core.trace_scope import current, fresh_traces, retrace_from_here, scoped
 from zerojax.flax.gather import GatherContext, current_context, gather_context, gather_unit
 
 UNIT_MARK = "_zerojax_unit"
@@ -57,6 +57,7 @@ def intercept(next_fun, args, kwargs, context):
     path = "/".join(module.path)
     if method == "setup" and current().discovery is None and _is_unit(path):
         return None  # on this device's shards it would fail; it runs on the gathered weights
+    retrace_from_here()  # the next `nn.jit` block is traced anew: its module calls are seen
     if not is_public_method(method) or module.is_initializing():
         return next_fun(*args, **kwargs)
     return dispatch(
@@ -113,7 +114,7 @@ def leaf_ndims(params) -> tuple:
 def discovering():
     """Inside, a traced model's module calls are recorded in the dict it yields."""
     calls: dict = {}
-    with scoped(discovery=calls), nn.intercept_methods(intercept):
+    with scoped(discovery=calls), nn.intercept_methods(intercept), fresh_traces():
         yield calls
 
 
@@ -121,7 +122,7 @@ def discovering():
 def running_units(ctx: GatherContext | None):
     """Inside, the per-device Linen model runs with `ctx` in force: each call on one of its
     units gathers the unit's weights (or, stages 1-2, reduces its gradient in place)."""
-    with gather_context(ctx), nn.intercept_methods(intercept):
+    with gather_context(ctx), nn.intercept_methods(intercept), fresh_traces():
         yield
 
 
