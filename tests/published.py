@@ -1,9 +1,10 @@
 """Published model code for the conformance lane, taken from the package registry as its
 authors released it: Flax's examples come in Flax's source distribution on PyPI (Apache-2.0),
-downloaded once into a cache and imported unchanged. Modules an example imports for data,
-logging or checkpoints (tensorflow, clu, its input pipeline) are replaced by stand-ins while
-it is imported: they answer any attribute at import time and fail if anything calls them, so a
-train step that used one would fail, not pass silently."""
+Gemma 4 in Google DeepMind's `gemma` wheel (Apache-2.0); both are downloaded once into a cache
+and imported unchanged. Modules they import for data, logging, tokenizers or checkpoints
+(tensorflow, clu, sentencepiece, an input pipeline) are replaced by stand-ins while they are
+imported: they answer any attribute at import time and fail if anything calls them, so a train
+step that used one would fail, not pass silently."""
 
 from __future__ import annotations
 
@@ -22,11 +23,50 @@ import flax.io  # noqa: F401  (decides whether tensorflow exists before any stan
 # the newest Flax release with a source distribution (later ones ship wheels alone); its
 # examples run on the Flax the tests install
 FLAX_EXAMPLES = "0.12.8"
+# gemma's model code and the pure-Python packages it imports that the tests do not install,
+# pinned; installed without dependencies (gemma's own pull in 186 packages, TensorFlow among them)
+GEMMA = (
+    "gemma==4.0.1",
+    "kauldron==1.4.4",
+    "einops==0.8.2",
+    "immutabledict==4.3.1",
+    "lark==1.3.1",
+    "ml_collections==1.1.0",
+    "typeguard==4.6.1",
+)
+GEMMA_STAND_INS = (
+    "clu",
+    "clu.data",
+    "clu.data.dataset_iterator",
+    "dialog",
+    "sentencepiece",
+    "tensorflow",
+)
 
 
 def cache_dir() -> pathlib.Path:
     default = pathlib.Path(tempfile.gettempdir()) / "zerojax-published"
     return pathlib.Path(os.environ.get("ZEROJAX_PUBLISHED_CACHE", default))
+
+
+def _pip(what: str, *arguments: str) -> None:
+    command = [sys.executable, "-m", "pip", *arguments, "-q"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        raise RuntimeError(
+            f"the conformance lane needs {what} from the package registry: "
+            f"`{' '.join(command)}` failed:\n{done.stderr}"
+        )
+
+
+def _move(folder: pathlib.Path, root: pathlib.Path) -> None:
+    """`folder` renamed to `root`, atomically: of two test processes filling the cache, one
+    wins and the other keeps what it found."""
+    try:
+        os.replace(folder, root)
+    except OSError:
+        if not root.is_dir():
+            raise
 
 
 def flax_examples() -> pathlib.Path:
@@ -35,19 +75,31 @@ def flax_examples() -> pathlib.Path:
     if not (root / "examples").is_dir():
         root.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
-            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary"]
-            command += [":all:", f"flax=={FLAX_EXAMPLES}", "-d", tmp, "-q"]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
-            if done.returncode:
-                raise RuntimeError(
-                    f"the conformance lane needs Flax {FLAX_EXAMPLES}'s source distribution "
-                    f"from the package registry: `{' '.join(command)}` failed:\n{done.stderr}"
-                )
+            source = ("--no-deps", "--no-binary", ":all:", "-d", tmp, f"flax=={FLAX_EXAMPLES}")
+            _pip(f"Flax {FLAX_EXAMPLES}'s source distribution", "download", *source)
             (archive,) = pathlib.Path(tmp).glob("flax-*.tar.gz")
             with tarfile.open(archive) as tar:
                 tar.extractall(tmp, filter="data")
-            os.replace(pathlib.Path(tmp) / f"flax-{FLAX_EXAMPLES}", root)  # atomic: one wins
+            _move(pathlib.Path(tmp) / f"flax-{FLAX_EXAMPLES}", root)
     return root / "examples"
+
+
+def gemma_modules(*names: str) -> types.SimpleNamespace:
+    """gemma's named modules (by the last part of each name), imported unchanged from its wheel,
+    installed once into the cache with the packages of `GEMMA` (appended to `sys.path`, so an
+    installed copy of any of them wins)."""
+    root = cache_dir() / ("gemma-" + GEMMA[0].split("==")[1])
+    if not (root / "gemma").is_dir():
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root.parent) as tmp:
+            site = pathlib.Path(tmp) / "site"
+            _pip("gemma's wheel", "install", "--no-deps", "--target", str(site), *GEMMA)
+            _move(site, root)
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    with _stand_ins(GEMMA_STAND_INS):
+        loaded = {n.rpartition(".")[2]: importlib.import_module(n) for n in names}
+    return types.SimpleNamespace(**loaded)
 
 
 class StandIn(types.ModuleType):
@@ -63,6 +115,11 @@ class StandIn(types.ModuleType):
 
     def __mro_entries__(self, bases):  # a class the example derives from one of them
         return (object,)
+
+    def __or__(self, other):  # an annotation evaluated at import: `ocp.CheckpointManager | None`
+        return self
+
+    __ror__ = __or__
 
 
 @contextlib.contextmanager

@@ -117,15 +117,23 @@ class ZeroShard:
             or carried_tensor_specs(user.tree, self.mesh, self.config)
         )
 
-    def plan(self, state: PyTree, *, step: ZeroStep | None = None, batch=None) -> list[LeafPlan]:
+    def plan(
+        self,
+        state: PyTree,
+        *,
+        step: ZeroStep | None = None,
+        batch=None,
+        step_args: tuple | None = None,
+    ) -> list[LeafPlan]:
         """Per-leaf `LeafPlan`s (path, category, spec, reason) for `state` or its abstract shape
         (NNX objects: for their dict state, see zerojax.flax.nnx). Given the `step` and a
-        `batch`, each parameter also names its unit (found by tracing the step)."""
+        `batch` (a `step(state, batch)`, or `step(*objects, batch)`), or `step_args`, the
+        step's arguments as it is called (another order, or arguments after the batch), each
+        parameter also names its unit (found by tracing the step)."""
         plans = list(self.layout(state).plans)
         if step is None:
             return plans
-        args = state if isinstance(state, tuple) and boundary(state).objects else (state,)
-        return with_units(plans, step.units_of(*args, batch))
+        return with_units(plans, step.units_of(*_step_args(state, batch, step_args)))
 
     def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
@@ -304,16 +312,19 @@ class ZeroShard:
         show: bool = True,
         step: ZeroStep | None = None,
         batch=None,
+        step_args: tuple | None = None,
     ) -> Description:
         """Print (unless `show=False`) and return a table of every leaf of `state` (a train
         state, its abstract shape, or NNX objects): path, shape, dtype, spec, memory kind,
-        bytes per device, and (given the `step` and a `batch`) each parameter's unit.
+        bytes per device, and (given the `step` and a `batch` or `step_args`, as `plan`
+        takes them) each parameter's unit.
         Raises ZeroError when more than `tolerance` (a fraction, e.g. 0.02) of the bytes this
         stage splits stays replicated (why was said when the zero first planned the state).
         See zerojax.inspect.describe."""
         units = {}
         if step is not None:
-            units = {p.path: p.unit for p in self.plan(state, step=step, batch=batch) if p.unit}
+            plans = self.plan(state, step=step, batch=batch, step_args=step_args)
+            units = {p.path: p.unit for p in plans if p.unit}
         out = describe(self, boundary(state).tree, tolerance, units)
         if show:
             print(out, end="")
@@ -327,3 +338,23 @@ class ZeroShard:
         from zerojax.inspect.report import build_report
 
         return build_report(self, step, state, batch, *extra, dump_to=dump_to)
+
+
+def _step_args(state, batch, step_args) -> tuple:
+    """The arguments `plan` and `describe` trace the step with: `step_args` as given, or the
+    state (or NNX objects) followed by `batch`."""
+    if step_args is not None:
+        if batch is not None:
+            raise ZeroError(
+                "pass the step's arguments once: step_args=(...) holds the batch too, so drop "
+                "batch=."
+            )
+        return tuple(step_args)
+    if batch is None:
+        raise ZeroError(
+            "naming units traces the step, which needs its arguments: pass batch= (for "
+            "step(state, batch)) or step_args=(...) (its arguments in its order, e.g. "
+            "step_args=(state, batch, config, rng))."
+        )
+    objects = state if isinstance(state, tuple) and boundary(state).objects else (state,)
+    return (*objects, batch)

@@ -146,6 +146,12 @@ def _hookable(module, call_args, batch_rows: set) -> bool:
         return False
     if not isinstance(module.parent, Scope) or module.is_initializing():
         return False
-    if any(r.suffix for r in scope.rngs.values()) or any(scope.rng_counters.values()):
+    if any(r.suffix for r in scope.rngs.values()) or _has_drawn(scope.rng_counters):
         return False
     return _on_batch(call_args, batch_rows)
+
+
+def _has_drawn(counters: dict) -> bool:
+    """Whether a Linen scope's RNG counters (nested per child scope: a `setup` that made
+    submodules adds theirs, at 0) say a key was drawn already."""
+    return any(_has_drawn(v) if isinstance(v, dict) else bool(v) for v in counters.values())
