@@ -1,14 +1,15 @@
-"""How stage 3's compiled peak grows with depth on published model code (the conformance lane's
-models, tests/published.py): Flax's lm1b example (Linen), Flax's NNX gemma example, and Gemma 4
-from the `gemma` package. Per device at N = 8, fp32 + AdamW, one 128-token sequence per device,
-d_model 64: the peak (arguments + temporaries) at L and 2L layers for stage 0, stage 3 with the
-defaults (each unit keeps its activations) and stage 3 with `recompute_units=True` (each unit
-keeps only its input). Every leaf is split at stage 3 (`persistence_threshold=0`).
+"""How stage 3's compiled peak grows with depth on published model code (the conformance
+lane's models, tests/published.py): Flax's lm1b example (Linen), Flax's NNX gemma example,
+and Gemma 3 and Gemma 4 from the `gemma` package. Per device at N = 8, fp32 + AdamW, one
+128-token sequence per device, d_model 64: the peak (arguments + temporaries) at L and 2L
+layers for stage 0, stage 3 with the defaults (each unit keeps its activations) and stage 3
+with `recompute_units=True` (each unit keeps only its input). Every leaf is split at stage 3
+(`persistence_threshold=0`).
 
     python bench/published_slopes.py
 
 Slope = (peak(2L) - peak(L)) / L, per added layer; the ratio is to stage 0's slope. Prints a
-markdown table (docs/units.md holds it); about three minutes on 2 cores.
+markdown table (docs/units.md holds it); about four minutes on 2 cores.
 """
 
 import functools
@@ -56,16 +57,17 @@ def flax_gemma_peak(layers: int, options: dict) -> int:
     return zero.report(step, model, optimizer, rngs, batch, metrics, 0.0, 0).peak_bytes
 
 
-def gemma4_peak(layers: int, options: dict) -> int:
-    from test_conformance_gemma4 import gemma4_peak
+def gemma_peak(version: str, layers: int, options: dict) -> int:
+    from test_conformance_gemma import gemma_peak
 
-    return gemma4_peak(layers, options)
+    return gemma_peak(version, layers, options)
 
 
 MODELS = {  # name: (peak function, L)
     "Flax examples/lm1b (Linen)": (lm1b_peak, 2),
     "Flax examples/gemma (NNX)": (flax_gemma_peak, 4),
-    "gemma 4.0.1, Gemma 4 (Linen, nn.jit)": (gemma4_peak, 4),
+    "gemma 4.0.1, Gemma 3 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 3"), 4),
+    "gemma 4.0.1, Gemma 4 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 4"), 4),
 }
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 from common import assert_trees_close
-from flax import nnx
+from flax import jax_utils, nnx
 from published import load
 
 import zerojax as zj
@@ -283,25 +283,101 @@ def test_a_missing_logical_rule_error_names_every_missing_name_and_rules_that_wo
 
 
 # ---- Flax examples/imagenet (Linen ResNet, BatchNorm, train: bool): a jax.pmap step ---------
-def test_flax_imagenet_examples_pmap_step_is_refused_with_what_to_remove():
-    """Its train_step averages the gradients with `lax.pmean(grads, axis_name='batch')`: a
-    program for jax.pmap, which jax.jit cannot trace either. zerojax says what to remove."""
-    stand_ins = (*LM1B_STAND_INS, "tensorflow_datasets")
-    ex = load("imagenet", ("train", "models"), stand_ins)
-    model = ex.models._ResNet1(num_classes=10, num_filters=8)
+@functools.cache
+def imagenet():
+    return load("imagenet", ("train", "models"), (*LM1B_STAND_INS, "tensorflow_datasets"))
 
-    class Config:
+
+def imagenet_setup():
+    """(init_fn, learning-rate schedule) for the example's ResNet with two blocks, its
+    `create_train_state` (SGD with Nesterov momentum, batch statistics in the state)."""
+    ex = imagenet()
+    model = ex.models.ResNet(
+        stage_sizes=[2], block_cls=ex.models.ResNetBlock, num_classes=1000, num_filters=8
+    )
+
+    class Config:  # the fields of the example's ml_collections config that init reads
         half_precision, momentum = False, 0.9
 
     lr = lambda step: 0.1
-    init_fn = lambda key: ex.train.create_train_state(key, Config, model, 16, lr)
+    return (lambda key: ex.train.create_train_state(key, Config, model, 16, lr)), lr
+
+
+def imagenet_batches(n=3):
     rng = np.random.default_rng(0)
-    batch = {"image": rng.normal(size=(ROWS, 16, 16, 3)).astype(np.float32)}
-    batch["label"] = rng.integers(0, 10, ROWS)
+    return [
+        {
+            "image": rng.normal(size=(ROWS, 16, 16, 3)).astype(np.float32),
+            "label": rng.integers(0, 1000, ROWS).astype(np.int32),
+        }
+        for _ in range(n)
+    ]
+
+
+def imagenet_jit_step(state, batch, learning_rate_fn):
+    """The example's train_step as a `jax.jit` port writes it: its loss (cross-entropy and the
+    weight penalty) and batch-statistics update, without the `lax.pmean`s that make it a
+    `jax.pmap` program (of the gradients, the batch statistics and the metrics)."""
+
+    def loss_fn(params):
+        logits, new_model_state = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            batch["image"],
+            mutable=["batch_stats"],
+        )
+        loss = imagenet().train.cross_entropy_loss(logits, batch["label"])
+        weight_l2 = sum(jnp.sum(x**2) for x in jax.tree_util.tree_leaves(params) if x.ndim > 1)
+        return loss + 0.0001 * 0.5 * weight_l2, new_model_state
+
+    (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    new = state.apply_gradients(grads=grads, batch_stats=new_model_state["batch_stats"])
+    return new, loss
+
+
+def test_flax_imagenet_resnet_trains_at_every_stage_as_its_released_pmap_step_does():
+    """BatchNorm normalises each device's rows, as under the example's own `jax.pmap` loop:
+    its released train_step, pmapped over the 8 devices, is the reference (per-device
+    statistics averaged, as its `lax.pmean` does)."""
+    init_fn, lr = imagenet_setup()
+    batches = imagenet_batches()
+    pmapped = jax.pmap(imagenet().train.train_step, axis_name="batch", static_broadcasted_argnums=2)
+    want = jax_utils.replicate(jax.jit(init_fn)(jax.random.key(0)))
+    for batch in batches:  # as the example's loop shards each batch over the local devices
+        want, _ = pmapped(
+            want, jax.tree_util.tree_map(lambda x: x.reshape(8, -1, *x.shape[1:]), batch), lr
+        )
+    want = jax_utils.unreplicate(want)
+    for stage in STAGES:  # the mesh's axis named as the model's BatchNorm names its axis
+        zero = zero_for(stage, axis="batch")
+        with no_zero_warning():
+            state = zero.init(init_fn, jax.random.key(0))
+            step = zero(imagenet_jit_step, static_argnums=(2,))
+            for batch in batches:
+                state, _ = step(state, batch, lr)
+        assert_trees_close(state.params, want.params, rtol=TOL, atol=TOL)
+        assert_trees_close(state.batch_stats, want.batch_stats, rtol=TOL, atol=TOL)
+        assert step.units == (() if stage == 0 else ("ResNetBlock_0", "ResNetBlock_1"))
+
+
+def test_flax_imagenet_resnet_on_a_mesh_without_its_batchnorm_axis_is_told_to_name_it():
+    """Its BatchNorm reduces over 'batch'; on the default mesh ('data') a ZeroError names the
+    axis and the option, where jax raised a bare AssertionError."""
+    init_fn, lr = imagenet_setup()
+    zero = zero_for(3)
+    state = zero.init(init_fn, jax.random.key(0))
+    step = zero(imagenet_jit_step, static_argnums=(2,))
+    with pytest.raises(zj.ZeroError, match=r"axis 'batch'.*zero_shard\(\.\.\., axis='batch'\)"):
+        step(state, imagenet_batches(1)[0], lr)
+
+
+def test_flax_imagenet_examples_pmap_step_is_refused_with_what_to_remove():
+    """Its train_step averages the gradients with `lax.pmean(grads, axis_name='batch')`: a
+    program for jax.pmap, which jax.jit cannot trace either. zerojax says what to remove."""
+    init_fn, lr = imagenet_setup()
     zero = zero_for(3)
     state = zero.init(init_fn, jax.random.key(0))
     with pytest.raises(zj.ZeroError, match="reduces over the axis 'batch'.*jax.pmap"):
-        zero(ex.train.train_step, static_argnums=(2,))(state, batch, lr)
+        zero(imagenet().train.train_step, static_argnums=(2,))(state, imagenet_batches(1)[0], lr)
 
 
 # ---- Flax examples/wmt (Linen encoder-decoder, packed examples): a jax.pmap step -------------

@@ -108,7 +108,10 @@ def hooked_apply_fn(
         found = {}
         if cfg.uses_units:
             keys = {} if rngs is None else {"rngs": rngs}
-            found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg)
+            per_device = lambda body, values: manual_over_data(
+                body, mesh, comm, (P(), [_rows_spec(x, batch_rows, comm) for x in values]), P()
+            )
+            found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg, per_device)
         unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
         values = tuple(flat[i] for i in dynamic)
         plan = plan_call(layout, cfg, variables, list(values), batch_rows, unit_leaves, linen)
@@ -247,6 +250,12 @@ def _linen_stateful(kwargs) -> bool:
     return kwargs.get("mutable", False) is not False or bool(kwargs.get("capture_intermediates"))
 
 
+def _rows_spec(x, batch_rows: set, comm: Comm):
+    """A call argument split over the data axes when it has the batch's leading dimension."""
+    on_batch = np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
+    return P(comm.data_axis) if on_batch else P()
+
+
 def _rngs_dict(rngs):
     """Linen's `rngs=` as a dict (one key is shorthand for {'params': key})."""
     return rngs if rngs is None or isinstance(rngs, dict) else {"params": rngs}
@@ -290,16 +299,21 @@ def _with_layer_index(variables, layers: dict):
     return {**variables, PARAMS: params}
 
 
-def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig) -> dict:
+def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig, per_device) -> dict:
     """{path: ModuleCall} of the modules gathered as units (`flax.units`), from an abstract
-    trace of the model that records its module calls."""
+    trace of the model that records its module calls, run per device as the model runs
+    (`per_device(body, batch_args)`: a collective the model itself runs over the data axes,
+    such as `nn.BatchNorm(axis_name=...)` naming the mesh's axis, is bound there too)."""
     flat, tree = jax.tree_util.tree_flatten((args, kwargs))
     arrays = [i for i, x in enumerate(flat) if is_array(x)]
     run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+    body = lambda variables, values: (run(variables, values), ())[1]  # the calls, not outputs
     with discovering() as found:
         jax.eval_shape(
-            run, jax.tree_util.tree_map(shape, variables), [shape(flat[i]) for i in arrays]
+            per_device(body, [flat[i] for i in arrays]),
+            jax.tree_util.tree_map(shape, variables),
+            [shape(flat[i]) for i in arrays],
         )
     return {u: found[u] for u in sorted(select_units(found, cfg.units))}
 

@@ -1,11 +1,13 @@
-"""The conformance lane, Gemma 4: Google DeepMind's `gemma` 4.0.1 from PyPI (tests/published.py),
-its Linen `Transformer` unchanged, with a tiny configuration that keeps what the released E2B
-and E4B have: KV sharing (the later half of the layers read an earlier layer's keys and values,
-passed to each block by keyword as `kv_shared_cache=`), alternating sliding-window and global
-layers, per-layer input embeddings, keys equal to values on global layers, QK norm, the final
-logit soft cap and the tied embedding; its `__call__` is an `nn.jit`. Trained as gemma's docs
-apply it (`model.apply({'params': params}, tokens=...)`, next-token cross-entropy, AdamW) at
-stages 0-3 against `jax.jit` on one device. docs/units.md has the table these tests hold."""
+"""The conformance lane, Gemma 3 and Gemma 4: Google DeepMind's `gemma` 4.0.1 from PyPI
+(tests/published.py), its Linen `Transformer`s unchanged (each with an `nn.jit` `__call__`),
+with tiny configurations that keep what the released models have. Gemma 4 (E2B, E4B): KV
+sharing (the later half of the layers read an earlier layer's keys and values, passed to each
+block by keyword as `kv_shared_cache=`), per-layer input embeddings, keys equal to values on
+global layers; Gemma 3 (1B): the transposed gating einsum; both: alternating sliding-window and
+global layers, QK norm and the tied embedding (Gemma 4 the final logit soft cap). Trained as
+gemma's docs apply them (`model.apply({'params': params}, tokens=...)`, next-token
+cross-entropy, AdamW) at stages 0-3 against `jax.jit` on one device. docs/units.md has the
+table these tests hold."""
 
 import functools
 
@@ -13,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from common import assert_trees_close
 from published import gemma_modules
 from test_conformance import STAGES, TOL, no_zero_warning, zero_for
@@ -29,6 +32,11 @@ def gemma4():
         "gemma.gm.nn.gemma4._config",
         "gemma.gm.nn.gemma4._modules",
     )
+
+
+@functools.cache
+def gemma3():
+    return gemma_modules("gemma.gm.nn._transformer", "gemma.gm.nn._config", "gemma.gm.nn._modules")
 
 
 def gemma4_config(layers: int = LAYERS, embed: int = 32, window: int = 4):
@@ -59,9 +67,38 @@ def gemma4_config(layers: int = LAYERS, embed: int = 32, window: int = 4):
     )
 
 
-def gemma4_fns(config, length: int = LENGTH):
-    """(init, step) of a train state for gemma 4's Transformer, as its docs train it."""
-    model = gemma4()._transformer.Transformer(config=config, dtype=jnp.float32, tokens="tokens")
+def gemma3_config(layers: int = LAYERS, embed: int = 32, window: int = 4):
+    """Gemma3_1B's configuration, smaller (its 5:1 local:global pattern as 1:1)."""
+    g = gemma3()
+    local, glob = g._modules.AttentionType.LOCAL_SLIDING, g._modules.AttentionType.GLOBAL
+    return g._config.TransformerConfig(
+        final_logit_softcap=None,
+        num_embed=128,
+        embed_dim=embed,
+        hidden_dim=3 * embed,
+        num_heads=2,
+        head_dim=embed // 2,
+        num_kv_heads=1,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        use_qk_norm=True,
+        attention_types=g._config.make_attention_layers_types((local, glob), num_layers=layers),
+        query_pre_attn_norm=g._config.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_HEAD_DIM,
+        attn_logits_soft_cap=None,
+        sliding_window_size=window,
+        transpose_gating_einsum=True,
+        local_base_frequency=10_000,
+        global_base_frequency=1_000_000,
+    )
+
+
+VERSIONS = {"gemma 3": (gemma3, gemma3_config), "gemma 4": (gemma4, gemma4_config)}
+
+
+def gemma_fns(version: str, config, length: int = LENGTH):
+    """(init, step) of a train state for a gemma Transformer, as gemma's docs train it."""
+    transformer = VERSIONS[version][0]()._transformer.Transformer
+    model = transformer(config=config, dtype=jnp.float32, tokens="tokens")
     tx = optax.adamw(1e-3)
 
     def init(key):
@@ -101,8 +138,9 @@ def test_the_tiny_config_shares_kv_as_the_released_e2b_does():
     assert share == [0, 1, 0, 1]  # layers 2 and 3 read layers 0's and 1's keys and values
 
 
-def test_gemma4_trains_at_every_stage_as_on_one_device_and_restores_across(tmp_path):
-    init, step = gemma4_fns(gemma4_config())
+@pytest.mark.parametrize("version", VERSIONS)
+def test_gemma_trains_at_every_stage_as_on_one_device_and_restores_across(version, tmp_path):
+    init, step = gemma_fns(version, VERSIONS[version][1]())
     data = batches()
     with jax.default_device(jax.devices()[0]):  # first, as a user's run would: nn.jit caches
         want, want_loss = train(jax.jit(step), jax.jit(init)(jax.random.key(0)), data)
@@ -126,9 +164,10 @@ def test_gemma4_trains_at_every_stage_as_on_one_device_and_restores_across(tmp_p
     assert_trees_close(restored["params"], state["params"], rtol=0, atol=0)
 
 
-def gemma4_peak(layers: int, options: dict) -> int:
+def gemma_peak(version: str, layers: int, options: dict) -> int:
     """The compiled peak per device (bytes) at sequence 128, d_model 64, one row per device."""
-    init, step = gemma4_fns(gemma4_config(layers, embed=64, window=16), length=128)
+    config = VERSIONS[version][1](layers, embed=64, window=16)
+    init, step = gemma_fns(version, config, length=128)
     zero = zj.zero_shard(**options)
     state = zero.eval_shape(init, jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((8, 128), jnp.int32)
@@ -139,7 +178,7 @@ def test_gemma4_stage3_peak_grows_per_layer_at_most_015_of_stage_0s_recomputing_
     """Slope = (peak(L=8) - peak(L=4)) / 4. Recomputing units, each keeps only its input: the
     bound is 0.15 of stage 0's (measured 0.10; bench/published_slopes.py prints the table,
     with the default's, which keeps each unit's activations, beside it)."""
-    slope = lambda o: (gemma4_peak(8, o) - gemma4_peak(4, o)) / 4
+    slope = lambda o: (gemma_peak("gemma 4", 8, o) - gemma_peak("gemma 4", 4, o)) / 4
     stage0 = slope({"stage": 0})
     stage3 = slope({"stage": 3, "persistence_threshold": 0, "recompute_units": True})
     assert stage3 <= 0.15 * stage0, stage3 / stage0
