@@ -95,18 +95,10 @@ def in_order(fn, order: tuple):
     fixed = dict(static)
 
     def ordered(objs: tuple, batch, *extra):
-        count = len(objects_at) + 1 + len(fixed) + len(extra)
-        objs_left, extra_left = iter(objs), iter(extra)
-        pick = lambda i: (
-            next(objs_left)
-            if i in objects_at
-            else batch
-            if i == batch_at
-            else fixed[i]
-            if i in fixed
-            else next(extra_left)
-        )
-        return fn(*(pick(i) for i in range(count)))
+        placed = {**dict(zip(objects_at, objs, strict=True)), batch_at: batch, **fixed}
+        rest = iter(extra)  # the traced arguments fill the positions left, in order
+        count = len(placed) + len(extra)
+        return fn(*(placed[i] if i in placed else next(rest) for i in range(count)))
 
     return ordered
 
