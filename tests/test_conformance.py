@@ -38,6 +38,20 @@ def no_zero_warning():
         yield
 
 
+def assert_restores_across(path, saved_by, state, onto):
+    """`state`, saved by the zero `saved_by` (stage 3), restored onto each `(zero, abstract
+    state)` of `onto` (another stage's layout): every array bitwise."""
+    with zj.CheckpointManager(str(path), saved_by) as ckpt:
+        ckpt.save(3, state, force=True)
+    want = jax.tree_util.tree_leaves(nnx.state(state) if isinstance(state, tuple) else state)
+    for zero, abstract in onto:
+        with zj.CheckpointManager(str(path), zero) as ckpt:
+            restored, _ = ckpt.restore(abstract)
+        got = nnx.state(restored) if isinstance(restored, tuple) else restored
+        for a, b in zip(jax.tree_util.tree_leaves(got), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 # ---- Flax examples/gemma (NNX): its nnx_train_step, call-time Rngs, metrics ------------------
 GEMMA_STAND_INS = (
     "clu",
@@ -106,7 +120,9 @@ def gemma_train(step, objs, batches):
     return metrics.compute(), nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def test_flax_nnx_gemma_example_trains_at_every_stage_as_on_one_device():
+def test_flax_nnx_gemma_example_trains_at_every_stage_as_on_one_device_and_restores_across(
+    tmp_path,
+):
     batches = gemma_batches()
     with jax.default_device(jax.devices()[0]):
         jitted = nnx.jit(
@@ -123,6 +139,10 @@ def test_flax_nnx_gemma_example_trains_at_every_stage_as_on_one_device():
         np.testing.assert_allclose(got["accuracy"], want["accuracy"], atol=1e-6)
         assert_trees_close(params, want_params, rtol=TOL, atol=TOL)
         assert step.units == (() if stage == 0 else tuple(f"layers/{i}" for i in range(4)))
+        saved = (zero, objs[:2])  # the last, stage 3's: the model and optimizer
+    zero = zero_for(0)
+    abstract = nnx.eval_shape(lambda: gemma_build(0.0)[:2])
+    assert_restores_across(tmp_path, *saved, [(zero, abstract)])
 
 
 def test_flax_nnx_gemma_example_with_dropout_draws_stage_0s_masks_at_every_stage():
@@ -215,14 +235,9 @@ def test_flax_lm1b_example_trains_at_every_stage_as_on_one_device_and_restores_a
         blocks = tuple(f"decoder/encoderdecoderblock_{i}" for i in range(3))
         assert step.units == (() if stage == 0 else blocks)
         states[stage] = (zero, state)
-    zero, state = states[3]
-    with zj.CheckpointManager(str(tmp_path), zero) as ckpt:
-        ckpt.save(3, state, force=True)
-    for stage in (0, 1):  # restored onto another stage's layout, bitwise
-        zero = states[stage][0]
-        with zj.CheckpointManager(str(tmp_path), zero) as ckpt:
-            restored, _ = ckpt.restore(zero.eval_shape(init_fn, jax.random.key(0)))
-        assert_trees_close(restored.params, state.params, rtol=0, atol=0)
+    abstract = lambda zero: zero.eval_shape(init_fn, jax.random.key(0))
+    onto = [(states[s][0], abstract(states[s][0])) for s in (0, 1)]
+    assert_restores_across(tmp_path, *states[3], onto)
 
 
 def lm1b_peak_setup(layers: int, length: int = 128, embed: int = 64):
@@ -334,7 +349,7 @@ def imagenet_jit_step(state, batch, learning_rate_fn):
     return new, loss
 
 
-def test_flax_imagenet_resnet_trains_at_every_stage_as_its_released_pmap_step_does():
+def test_flax_imagenet_resnet_trains_at_every_stage_as_its_released_pmap_step_does(tmp_path):
     """BatchNorm normalises each device's rows, as under the example's own `jax.pmap` loop:
     its released train_step, pmapped over the 8 devices, is the reference (per-device
     statistics averaged, as its `lax.pmean` does)."""
@@ -357,6 +372,10 @@ def test_flax_imagenet_resnet_trains_at_every_stage_as_its_released_pmap_step_do
         assert_trees_close(state.params, want.params, rtol=TOL, atol=TOL)
         assert_trees_close(state.batch_stats, want.batch_stats, rtol=TOL, atol=TOL)
         assert step.units == (() if stage == 0 else ("ResNetBlock_0", "ResNetBlock_1"))
+    zero0 = zero_for(0, axis="batch")
+    assert_restores_across(
+        tmp_path, zero, state, [(zero0, zero0.eval_shape(init_fn, jax.random.key(0)))]
+    )
 
 
 def test_flax_imagenet_resnet_on_a_mesh_without_its_batchnorm_axis_is_told_to_name_it():
@@ -458,7 +477,9 @@ def wmt_jit_step(state, batch, config, learning_rate_fn, label_smoothing=0.0, dr
     return state.apply_gradients(grads=grads), loss
 
 
-def test_flax_wmt_model_trains_at_every_stage_as_on_one_device_from_a_jit_port_of_its_step():
+def test_flax_wmt_model_trains_at_every_stage_as_on_one_device_from_a_jit_port_of_its_step(
+    tmp_path,
+):
     config, lr, init_fn = wmt_setup()
     batches = wmt_batches()
     run = lambda step, state: [
@@ -477,6 +498,10 @@ def test_flax_wmt_model_trains_at_every_stage_as_on_one_device_from_a_jit_port_o
         blocks = [f"encoder/encoderblock_{i}" for i in range(2)]
         blocks += [f"decoder/encoderdecoderblock_{i}" for i in range(2)]
         assert step.units == (() if stage == 0 else tuple(sorted(blocks)))
+    zero0 = zero_for(0)
+    assert_restores_across(
+        tmp_path, zero, state, [(zero0, zero0.eval_shape(init_fn, jax.random.key(0)))]
+    )
 
 
 def test_flax_wmt_examples_pmap_step_is_refused_with_what_to_remove():
