@@ -24,7 +24,13 @@ from flax.core.scope import Scope
 
 from zerojax.core.errors import warn
 from zerojax.core.trace_scope import current, fresh_traces, retrace_from_here, scoped
-from zerojax.flax.gather import GatherContext, current_context, gather_context, gather_unit
+from zerojax.flax.gather import (
+    GatherContext,
+    current_context,
+    gather_context,
+    gather_unit,
+    inside_unit,
+)
 
 UNIT_MARK = "_zerojax_unit"
 
@@ -57,7 +63,11 @@ def intercept(next_fun, args, kwargs, context):
     path = "/".join(module.path)
     if method == "setup" and current().discovery is None and _is_unit(path):
         return None  # on this device's shards it would fail; it runs on the gathered weights
-    retrace_from_here()  # the next `nn.jit` block is traced anew: its module calls are seen
+    if isinstance(module.parent, Scope) and not inside_unit():
+        # the model, or the body of a lifted transform (`nn.jit`): the next such block is
+        # traced anew and its module calls seen (not a unit's own: a jit inside a unit may
+        # reuse its traces, as jax.numpy's do)
+        retrace_from_here()
     if not is_public_method(method) or module.is_initializing():
         return next_fun(*args, **kwargs)
     return dispatch(
