@@ -78,7 +78,7 @@ def fresh_traces():
 def retrace_from_here() -> None:
     """Until the enclosing `fresh_traces` ends, a jit called from here on traces again rather
     than reuse a trace made before: `nn.jit` blocks of one shape share a trace, in which
-    zerojax would see only the first block's module calls. Called at each module call zerojax
-    intercepts; a jit's cache is looked up before its module calls run, so the key cannot be
-    scoped to the call, only renewed."""
+    zerojax would see only the first block's module calls. Called at the model's call and at
+    each lifted-transform body (`flax.units.intercept`); a jit's cache is looked up before its
+    module calls run, so the key cannot be scoped to the call, only renewed."""
     _TRACE_KEY.set_local(_new_key())
