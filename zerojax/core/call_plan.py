@@ -96,6 +96,11 @@ def is_array(x) -> bool:
     return isinstance(x, (jax.Array, np.ndarray))
 
 
+def on_batch(x, batch_rows: set) -> bool:
+    """Whether `x` has the batch's leading dimension (one of the global batch sizes)."""
+    return np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
+
+
 def with_values(flat: list, positions: list, values, tree):
     """(args, kwargs) from flattened call arguments with the array leaves at `positions`
     replaced by `values` (traced per-device or abstract stand-ins)."""
@@ -150,7 +155,7 @@ def plan_call(
                 dtype,
             )
         )
-    batch = [np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows for x in arrays]
+    batch = [on_batch(x, batch_rows) for x in arrays]
     if not any(batch):
         raise ApplyHookError(
             "zerojax: no argument of state.apply_fn has the batch's leading dimension "

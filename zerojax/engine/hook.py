@@ -37,6 +37,7 @@ from zerojax.core.call_plan import (
     compute_dtype,
     dtype_of,
     is_array,
+    on_batch,
     plan_call,
     with_values,
 )
@@ -252,8 +253,7 @@ def _linen_stateful(kwargs) -> bool:
 
 def _rows_spec(x, batch_rows: set, comm: Comm):
     """A call argument split over the data axes when it has the batch's leading dimension."""
-    on_batch = np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
-    return P(comm.data_axis) if on_batch else P()
+    return P(comm.data_axis) if on_batch(x, batch_rows) else P()
 
 
 def _rngs_dict(rngs):

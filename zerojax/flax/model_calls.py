@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 from flax.core.scope import Scope
 
-from zerojax.core.call_plan import is_array, with_values
+from zerojax.core.call_plan import is_array, on_batch, with_values
 from zerojax.core.rules import PARAMS
 from zerojax.core.trace_scope import fresh_traces
 from zerojax.engine.hook import model_running, running_model
@@ -135,8 +135,7 @@ def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:
 def _on_batch(call_args, batch_rows: set) -> bool:
     """Whether an array argument of a call has the batch's leading dimension."""
     return any(
-        is_array(x) and np.ndim(x) >= 1 and np.shape(x)[0] in batch_rows
-        for x in jax.tree_util.tree_leaves(call_args)
+        is_array(x) and on_batch(x, batch_rows) for x in jax.tree_util.tree_leaves(call_args)
     )
 
 
