@@ -151,3 +151,63 @@ def test_a_collective_moving_two_arrays_is_one_launch():
         ("reduce-scatter", 256),
         *[("all-gather", 256)] * 6,
     ]
+
+
+# XLA:GPU's form (as a compile for compile-only H100s prints it): async starts return
+# ((operands...), outputs...), the combiner's all-gather moves two arrays in one launch, cuBLAS
+# gemms are custom-calls, Triton gemms fusions holding a dot, and host offload asynchronous
+# copies to and from host memory (layout memory space S(5)).
+GPU = f"""HloModule g, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%triton_gemm (p0: f32[8,8], p1: f32[8,8]) -> f32[8,8] {{
+  %p0 = f32[8,8]{{1,0}} parameter(0)
+  %p1 = f32[8,8]{{1,0}} parameter(1)
+  ROOT %dot.1 = f32[8,8]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+ENTRY %main (a: f32[1,8], b: f32[1,8], c: f32[8,8], h: f32[8,8]) -> f32[8,8] {{
+  %a = f32[1,8]{{1,0}} parameter(0)
+  %b = f32[1,8]{{1,0}} parameter(1)
+  %c = f32[8,8]{{1,0}} parameter(2)
+  %h = f32[8,8]{{1,0:S(5)}} parameter(3)
+  %all-gather-start = ((f32[1,8]{{1,0}}, f32[1,8]{{1,0}}), (f32[8,8]{{1,0}}, f32[8,8]{{1,0}})) all-gather-start(%a, %b), channel_id=1, replica_groups=mesh['data'=8] {{'data'}}, dimensions={{0}}, use_global_device_ids=true
+  %copy-start = (f32[8,8]{{1,0}}, f32[8,8]{{1,0:S(5)}}, u32[]) copy-start(%h)
+  %cublas-gemm.1 = (f32[8,8]{{1,0}}, s8[1024]{{0}}) custom-call(%c, %c), custom_call_target="__cublas$lt$matmul", backend_config={{}}
+  %all-gather-done = (f32[8,8]{{1,0}}, f32[8,8]{{1,0}}) all-gather-done(%all-gather-start)
+  %reduce-scatter-start = ((f32[8,8]{{1,0}}), f32[1,8]{{1,0}}) reduce-scatter-start(%c), channel_id=2, {GROUP}, dimensions={{0}}, to_apply=%add
+  %reduce-scatter-done = f32[1,8]{{1,0}} reduce-scatter-done(%reduce-scatter-start)
+  %copy-done = f32[8,8]{{1,0}} copy-done(%copy-start)
+  %all-reduce-start = ((f32[8,8]{{1,0}}), f32[8,8]{{1,0}}) all-reduce-start(%c), channel_id=3, {GROUP}, to_apply=%add
+  %gemm_fusion = f32[8,8]{{1,0}} fusion(%c, %copy-done), kind=kCustom, calls=%triton_gemm
+  %copy-start.1 = (f32[8,8]{{1,0:S(5)}}, f32[8,8]{{1,0}}, u32[]) copy-start(%gemm_fusion)
+  %all-reduce-done = f32[8,8]{{1,0}} all-reduce-done(%all-reduce-start)
+  %copy-done.1 = f32[8,8]{{1,0:S(5)}} copy-done(%copy-start.1)
+  ROOT %out = f32[8,8]{{1,0}} add(%all-reduce-done, %gemm_fusion)
+}}
+"""
+
+
+def test_an_xla_gpu_module_counts_outputs_launches_cublas_and_host_copies():
+    from zerojax.inspect.schedule import host_transfers
+
+    found = scheduled_collectives(GPU, 8)
+    # outputs only: the all-gather's two [8,8] outputs (not its [1,8] operands as well), the
+    # reduce-scatter's [8,8] input (8 x its [1,8] output, not that plus its operand), the
+    # all-reduce's [8,8] (not twice)
+    assert launches(found) == [
+        ("all-gather", 2 * 256),
+        ("reduce-scatter", 256),
+        ("all-reduce", 256),
+    ]
+    # the gathers ran beside the cuBLAS gemm, the all-reduce beside the Triton gemm fusion;
+    # nothing ran beside the reduce-scatter
+    assert overlap_bytes(found) == pytest.approx((2 * 224 + 2 * 224, 224))
+    assert overlap_bytes(found, "reduce-scatter") == (0, 224)
+    # the parameter came in beside the cuBLAS gemm; the result went out with nothing beside it
+    assert host_transfers(found) == {"host-to-device": (256, 0), "device-to-host": (0, 256)}

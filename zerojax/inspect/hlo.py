@@ -94,12 +94,39 @@ def collectives_in(line: str, num_devices: int, local: int) -> list[Collective]:
     kind = m.group("op")
     group = 2 if kind == "collective-permute" else len(groups[0])
     cross = any(len({i // local for i in g}) > 1 for g in groups)
-    results = arrays_bytes(m.group("result"))
-    if m.group("start") and kind == "all-gather":  # result tuple is (operands, outputs)
-        results = results[len(results) // 2 :]
+    result = m.group("result")
+    results = arrays_bytes(start_outputs(result, kind) if m.group("start") else result)
     # Read from the results: a reduce-scatter's full buffer is g times its result.
     arrays = [(dt, b * group) for dt, b in results] if kind == "reduce-scatter" else results
     return [Collective(kind, dtype, nbytes, group, cross) for dtype, nbytes in arrays]
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The elements of a tuple shape '(a, (b, c), d)', split at its top-level commas (layouts'
+    braces and tiles' parentheses kept whole; `/*index=5*/` comments dropped)."""
+    parts, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        if (depth == 1 and ch == ",") or depth == 0:
+            parts.append(re.sub(r"/\*.*?\*/", "", shape[start:i]).strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return parts
+
+
+def start_outputs(result: str, kind: str) -> str:
+    """The outputs of an async collective start from its result shape. XLA:GPU's starts return
+    ((operands...), outputs...): an all-reduce-start `((f32[n]), f32[n])`, a reduce-scatter's
+    `((f32[8m]), f32[m])`, a combined all-gather's `((a, b), (A, B))`; the TPU compiler's
+    all-gather-start returns (operands..., outputs...), its all-reduce-start the outputs."""
+    parts = tuple_elements(result) if result.startswith("(") else [result]
+    if parts[0].startswith("("):  # XLA:GPU: (operands tuple, outputs...)
+        return ", ".join(parts[1:])
+    return ", ".join(parts[len(parts) // 2 :] if kind == "all-gather" else parts)
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")

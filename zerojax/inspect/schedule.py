@@ -2,8 +2,11 @@
 
 An accelerator compiler splits a collective into a start and a done and schedules other work
 between them; the collective is *overlapped* when a matmul (a `dot` or `convolution`, directly
-or inside a fusion, loop or call) is scheduled between its start and its done, and *exposed*
-otherwise: a synchronous collective always is. This reads XLA's async pairs (`all-gather-start`
+or inside a fusion, loop or call, or XLA:GPU's cuBLAS / cuDNN custom-call; its Triton gemms are
+fusions holding a `dot`) is scheduled between its start and its done, and *exposed* otherwise:
+a synchronous collective always is. Host transfers (`copy-start` / `copy-done` to or from host
+memory, `S(5)`, as host offload compiles on GPU) are read the same way, as kinds
+'device-to-host' / 'host-to-device'. This reads XLA's async pairs (`all-gather-start`
 / `all-gather-done`, `async-start` / `async-done`) and the TPU compiler's
 (`async-collective-start.N` / `async-collective-done.N` fusions, whose matmuls may be fused with
 the collective's steps). XLA's CPU compiler schedules every collective synchronously, so on CPU
@@ -20,9 +23,11 @@ import re
 from zerojax.inspect.hlo import (
     COLLECTIVES,
     Collective,
+    arrays_bytes,
     collectives_in,
     split_computations,
     trip_count,
+    tuple_elements,
 )
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
@@ -30,6 +35,10 @@ _OPNAME = re.compile(r"\s([a-z][a-z0-9_\-]*)\(")
 _CALLEE = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
 _WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _MATMUL = ("dot", "convolution")
+# XLA:GPU's library matmuls: cuBLAS(Lt) gemms and cuDNN convolutions / fused gemms
+_LIBRARY_MATMUL = re.compile(r'custom_call_target="__(cublas|cudnn)\$')
+TRANSFERS = ("device-to-host", "host-to-device")
+_HOST_SPACE = ":S(5)"  # XLA's memory space of host memory, in a layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +60,8 @@ def launches(scheduled: list[Scheduled]) -> list[tuple[str, int]]:
     combined one is one launch, however many arrays it moves."""
     out: list[tuple[str, int]] = []
     for s in scheduled:
+        if s.collective.kind in TRANSFERS:
+            continue
         if s.first or not out:
             out.append((s.collective.kind, s.collective.buffer_bytes))
         else:
@@ -89,9 +100,15 @@ class _ScheduleReader:
     def _has_matmul(self, comp: str) -> bool:
         for line in self.comps.get(comp, ()):
             m = _INSTR.match(line)
-            if m and (_op(m.group(2)) in _MATMUL or any(map(self.has_matmul, self.callees(line)))):
+            if m and self.is_matmul(line, _op(m.group(2))):
                 return True
         return False
+
+    def is_matmul(self, line: str, op: str) -> bool:
+        """Whether the instruction `line` runs a matmul, itself or in what it calls."""
+        if op in _MATMUL or (op == "custom-call" and _LIBRARY_MATMUL.search(line)):
+            return True
+        return any(map(self.has_matmul, self.callees(line)))
 
     def started(self, line: str) -> list[Collective]:
         """The collective an async start runs: on its own line, or first in the computation
@@ -127,6 +144,9 @@ class _ScheduleReader:
                 continue
             name, rhs = m.groups()
             op = _op(rhs)
+            if op == "copy-start" and _HOST_SPACE in rhs:
+                pending[name] = [_transfer(rhs)]
+                continue
             if op.endswith("-start") or name.startswith("async-collective-start"):
                 if found := self.started(line):
                     pending[name] = found
@@ -138,7 +158,7 @@ class _ScheduleReader:
                 out += _each(self.collectives(line), False)
                 continue
             out += self.nested(line, op, rhs, comp, seen)
-            if op in _MATMUL or any(map(self.has_matmul, self.callees(line))):
+            if self.is_matmul(line, op):
                 beside_matmul |= pending.keys()
         # a start whose done this computation does not hold (e.g. across a loop boundary):
         # counted, as exposed (nothing here is known to run beside it)
@@ -168,6 +188,15 @@ class _ScheduleReader:
         return []
 
 
+def _transfer(rhs: str) -> Collective:
+    """The host transfer a `copy-start` runs: its result is (destination, source, context), the
+    destination in host memory for a device-to-host copy."""
+    destination = tuple_elements(rhs.split(" copy-start(")[0])[0]
+    kind = TRANSFERS[0] if _HOST_SPACE in destination else TRANSFERS[1]
+    (dtype, nbytes), *_ = arrays_bytes(destination)
+    return Collective(kind, dtype, nbytes, group_size=1)
+
+
 def _done_of(name: str, op: str, rhs: str) -> str | None:
     """The start an async done instruction completes (None for any other instruction)."""
     if name.startswith("async-collective-done"):
@@ -180,7 +209,18 @@ def _done_of(name: str, op: str, rhs: str) -> str | None:
 
 def overlap_bytes(scheduled: list[Scheduled], kind: str | None = None) -> tuple[float, float]:
     """(bytes one device sends in overlapped collectives, in exposed ones) per step; of one
-    `kind` ('reduce-scatter', ...) only, when given."""
-    chosen = [s for s in scheduled if kind in (None, s.collective.kind)]
+    `kind` ('reduce-scatter', ...) only, when given (host transfers: see `host_transfers`)."""
+    chosen = [s for s in scheduled if s.collective.kind in ((kind,) if kind else COLLECTIVES)]
     hidden = sum(s.collective.sent_bytes for s in chosen if s.overlapped)
     return hidden, sum(s.collective.sent_bytes for s in chosen) - hidden
+
+
+def host_transfers(scheduled: list[Scheduled]) -> dict[str, tuple[int, int]]:
+    """{'device-to-host' / 'host-to-device': (bytes copied while a matmul runs, bytes copied
+    with none beside them)} per device per step."""
+    out = {}
+    for kind in TRANSFERS:
+        moved = [s for s in scheduled if s.collective.kind == kind]
+        hidden = sum(s.collective.buffer_bytes for s in moved if s.overlapped)
+        out[kind] = (hidden, sum(s.collective.buffer_bytes for s in moved) - hidden)
+    return out
