@@ -6,7 +6,7 @@ _xla_flags.apply_defaults()  # before anything starts JAX's backend
 
 from zerojax.core.config import ZeroConfig, ZeroError  # noqa: E402
 from zerojax.core.errors import ZeroWarning  # noqa: E402
-from zerojax.core.mesh import make_mesh, tpu_devices  # noqa: E402
+from zerojax.core.mesh import gpu_devices, make_mesh, tpu_devices  # noqa: E402
 from zerojax.deepspeed.optimizer import optimizer_from_config  # noqa: E402
 from zerojax.engine.step import ZeroStep  # noqa: E402
 from zerojax.shard import ZeroShard, zero_shard  # noqa: E402
@@ -18,6 +18,7 @@ __all__ = [
     "ZeroShard",
     "ZeroStep",
     "ZeroWarning",
+    "gpu_devices",
     "make_mesh",
     "tpu_devices",
     "optimizer_from_config",
