@@ -532,6 +532,16 @@ class ZeroConfig:
         return self.offload_param == "cpu"
 
     @property
+    def uses_host_memory(self) -> bool:
+        """Some state or activation rests in, or some work runs on, the host's memory."""
+        return (
+            self.offloads_optimizer
+            or self.offloads_params
+            or self.offload_activations
+            or self.updates_on_host
+        )
+
+    @property
     def updates_on_host(self) -> bool:
         """The optimizer step itself runs on the host CPU, beside its offloaded state."""
         return self.offload_update == "host"

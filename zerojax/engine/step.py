@@ -30,6 +30,7 @@ from zerojax.comm.hierarchy import manual_over_data
 from zerojax.comm.offload import optimizer_on_host, to_device, to_storage
 from zerojax.core.config import ZeroError
 from zerojax.core.errors import once_per, warn
+from zerojax.core.mesh import without_memories
 from zerojax.core.rules import OPT_STATE, PARAMS, category_of, check_placed
 from zerojax.engine.checks import check_arity, check_call
 from zerojax.engine.hook import TraceLog, hooked_apply_fn
@@ -227,6 +228,13 @@ class ZeroStep:
         )
         if key not in self._jitted:
             check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
+            if self.zero.config.uses_host_memory and without_memories(self.zero.mesh.devices.flat):
+                raise ZeroError(  # JAX would drop every memory kind: a step without offload
+                    "this mesh's devices describe no memories (compile-only GPUs), so a step "
+                    "lowered for them would keep everything on the device and offload nothing; "
+                    "zero.report(step, state, batch) and `zerojax plan --topology` lower it on "
+                    "CPU devices and compile it for these GPUs with its host memory."
+                )
             if not self.zero.config.manages_update and zero_opt_state(tree) is not None:
                 raise ZeroError(  # its optax would hand the gradients to nobody: no update
                     "this state holds master weights and buffers from a zero_shard that "

@@ -23,10 +23,16 @@ from jax.experimental.compilation_cache import compilation_cache
 from zerojax.core import xla_flags
 from zerojax.core.rules import HOST, OPT_STATE, OTHER, PARAMS
 from zerojax.engine.state import split_call
+from zerojax.inspect import cross_compile
 from zerojax.inspect.describe import leaf_rows
 from zerojax.inspect.hlo import matmul_flops, parse_collectives
 from zerojax.inspect.peak import Peak, explain_peak
-from zerojax.inspect.schedule import overlap_bytes, scheduled_collectives
+from zerojax.inspect.schedule import (
+    host_transfers,
+    launches,
+    overlap_bytes,
+    scheduled_collectives,
+)
 
 
 @dataclasses.dataclass
@@ -65,7 +71,8 @@ class Report:
     def peak_bound_bytes(self) -> int:
         """`peak_bytes` plus every offloaded byte the step brings to the device, as if all were
         there at once: an upper bound. (CPU compilers keep host and device in one memory and
-        elide the copies, so their temporaries cannot show where XLA schedules them.)"""
+        elide the copies, so their temporaries cannot show where XLA schedules them; a GPU or
+        TPU program's temporaries do hold them, and there the bound is the peak.)"""
         return self.peak_bytes + self.streamed_bytes
 
     def comm_table(self):
@@ -96,6 +103,18 @@ class Report:
         """(bytes one device sends per step in collectives the compiled schedule overlaps with
         a matmul, in exposed ones)."""
         return overlap_bytes(self.scheduled)
+
+    @property
+    def launches(self) -> dict[str, int]:
+        """Collective launches per step by kind, as the compiled program runs them (a combined
+        or variadic collective is one launch, however many arrays it moves)."""
+        return dict(collections.Counter(kind for kind, _ in launches(self.scheduled)))
+
+    @property
+    def host_copies(self) -> dict[str, tuple[int, int]]:
+        """{'device-to-host' / 'host-to-device': (bytes copied beside a matmul, exposed)} per
+        device per step, from the compiled program's asynchronous copies (GPU, TPU)."""
+        return host_transfers(self.scheduled)
 
     def bytes_of(self, kind: str) -> int:
         return sum(c.buffer_bytes for c in self.collectives if c.kind == kind)
@@ -141,10 +160,18 @@ class Report:
         if not self.collectives:
             lines.append("  (none)")
         hidden, exposed = self.overlap
+        runs = ", ".join(f"{n} {kind}" for kind, n in sorted(self.launches.items())) or "none"
         lines.append(
-            f"compiled schedule: {len(self.scheduled)} collectives, {mb(hidden).strip()} MiB sent "
-            f"while a matmul runs (overlapped), {mb(exposed).strip()} MiB exposed"
+            f"compiled schedule: {sum(self.launches.values())} collective launches ({runs}), "
+            f"{mb(hidden).strip()} MiB sent while a matmul runs (overlapped), "
+            f"{mb(exposed).strip()} MiB exposed"
         )
+        for kind, (beside, alone) in self.host_copies.items():
+            if beside + alone:
+                lines.append(
+                    f"  {kind} copies: {mb(beside + alone).strip()} MiB per step, "
+                    f"{mb(beside).strip()} MiB of them beside a matmul"
+                )
         lines.append(
             f"compiled matmuls: {self.matmul_flops / 1e9:.3f} GFLOP per device per step "
             "(loop bodies once per iteration)"
@@ -206,13 +233,16 @@ def _no_compilation_cache():
 _PARTITIONER = "spmd-partitioning|shardy-xla"
 
 
-def compile_with_partitioned_hlo(lowered, devices: int, param_shapes=()):
+def compile_with_partitioned_hlo(lowered, devices: int, param_shapes=(), compile=None):
     """(compiled executable, text of the HLO module right after SPMD partitioning, the
     `peak.Peak` of the optimized module). On one device, where nothing is partitioned, the
     text is the compiled module's. JAX's persistent compilation cache is off for this one
-    compile: an executable loaded from it was never compiled here, so XLA would dump nothing."""
+    compile: an executable loaded from it was never compiled here, so XLA would dump nothing.
+    `compile(lowered, options)` compiles it elsewhere (`cross_compile`)."""
+    options = {"xla_dump_to": "", "xla_dump_hlo_pass_re": _PARTITIONER}
     with tempfile.TemporaryDirectory(prefix="zerojax-hlo-") as tmp, _no_compilation_cache():
-        compiled = lowered.compile({"xla_dump_to": tmp, "xla_dump_hlo_pass_re": _PARTITIONER})
+        options["xla_dump_to"] = tmp
+        compiled = compile(lowered, options) if compile else lowered.compile(options)
         peak = explain_peak(tmp, param_shapes)
         found = sorted(
             f
@@ -247,6 +277,17 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     """Memory and communication of one optimizer step. With k-step gradient accumulation the
     communication of the k-1 accumulate-only calls is added and the peak is the larger one.
     `dump_to` (a path prefix) writes the partitioned and the optimized HLO beside it."""
+    compile = None
+    if cross_compile.needed(zero):  # GPUs that drop memory kinds: lowered on CPU devices
+        zero, step, (state, batch, *extra), compile = cross_compile.on_cpu_twin(
+            zero, step, (state, batch, *extra)
+        )
+    with cross_compile.host_moves_lowered_on_cpu() if compile else contextlib.nullcontext():
+        return _report(zero, step, (state, batch, *extra), dump_to, compile)
+
+
+def _report(zero, step, args: tuple, dump_to: str | None, compile) -> Report:
+    state, batch, *extra = args
     k = zero.config.accumulation_steps if zero.config.manages_update else 1
     call = split_call((state, batch, *extra), step.batch_argnum, step.static_argnums)
     tree = call.state.tree  # NNX objects: their dict state
@@ -258,7 +299,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         ]
     )
     compiled, hlo, peak = compile_with_partitioned_hlo(
-        step.lower(state, batch, *extra), zero.mesh.size, shapes
+        step.lower(state, batch, *extra), zero.mesh.size, shapes, compile
     )
     optimized = compiled.as_text()  # the scheduled program: dumped, and read for overlap
     if dump_to:
@@ -276,7 +317,7 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
     temp = int(mem.temp_size_in_bytes)
     if k > 1:
         micro, micro_hlo, micro_peak = compile_with_partitioned_hlo(
-            step.lower(state, batch, *extra, micro=True), zero.mesh.size, shapes
+            step.lower(state, batch, *extra, micro=True), zero.mesh.size, shapes, compile
         )
         collectives += parse_collectives(micro_hlo, zero.axis_size, local) * (k - 1)
         scheduled += scheduled_collectives(micro.as_text(), zero.axis_size, local) * (k - 1)
@@ -295,7 +336,10 @@ def build_report(zero, step, state, batch, *extra, dump_to: str | None = None) -
         peak = peak.on_device({names.get(c, c) for c in host}, device_args + temp)
     # the step brings offloaded state to the device: all of it when the update runs there,
     # only the parameters when it runs on the host
+    # (a GPU or TPU program holds those copies in its temporaries: nothing to add)
     streamed = host.get(PARAMS, 0) if zero.config.updates_on_host else sum(host.values())
+    if compile or zero.mesh.devices.flat[0].platform != "cpu":
+        streamed = 0
     return Report(
         stage=zero.config.stage,
         devices=zero.axis_size,
