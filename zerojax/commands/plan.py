@@ -1,5 +1,5 @@
 """`zerojax plan`: compile the example LM's train step (or your own, `--model`) ahead of time for N
-simulated CPU devices or a TPU slice (`--topology`), without allocating anything
+simulated CPU devices, a TPU slice or NVIDIA GPU nodes (`--topology`), without allocating anything
 (`zero.eval_shape`), and print per ZeRO stage the per-device bytes at rest and at the compiled
 peak and the communication per step, all read from the compiled program.
 """
@@ -52,9 +52,10 @@ def plan_parser(sub) -> None:
     )
     p.add_argument(
         "--topology",
-        help="compile for a TPU slice instead of N simulated CPU devices, e.g. v5e:2x4 (8 "
-        "chips); needs libtpu: pip install 'zerojax[tpu]'. Nothing runs: the TPU compiler's "
-        "own program is measured",
+        help="compile for a TPU slice (e.g. v5e:2x4, 8 chips; pip install 'zerojax[tpu]') or "
+        "NVIDIA GPUs (h100:8, one node of 8; h100:2x8, 2 nodes over InfiniBand; also a100, "
+        "h200, b200; pip install 'zerojax[gpu-compile]') instead of N simulated CPU devices. "
+        "Nothing runs: the accelerator compiler's own program is measured",
     )
     p.add_argument(
         "--mesh",
@@ -94,6 +95,11 @@ def plan_parser(sub) -> None:
 
 def _mesh_local(args) -> int | None:
     """Devices per node from --mesh NODESxLOCAL (None: a 1-D mesh); exits on a bad shape."""
+    if not args.mesh and is_gpu(args.topology):  # GPU nodes: a ('node', 'local') mesh
+        from zerojax.core.mesh import gpu_target
+
+        _, nodes, per_node = gpu_target(args.topology)
+        return per_node if nodes > 1 else None
     if not args.mesh:
         return None
     m = re.fullmatch(r"(?:(\d+)x)?(\d+)", args.mesh)
@@ -114,10 +120,18 @@ ZEROPP = {
 }
 
 
+def is_gpu(topology: str | None) -> bool:
+    """Whether --topology names NVIDIA GPUs ('h100:8') rather than a TPU slice ('v5e:2x4')."""
+    from zerojax.core.mesh import GPU_KINDS
+
+    return topology is not None and topology.split(":")[0].strip().lower() in GPU_KINDS
+
+
 def _plan_devices(args) -> list:
-    """The devices `plan` compiles for: a TPU slice's abstract devices (--topology) or N
-    simulated CPU devices, with the CPU-only planning flags (`xla_flags.PLANNING`)."""
-    if args.topology:
+    """The devices `plan` compiles for: a TPU slice's or GPU nodes' abstract devices
+    (--topology) or N simulated CPU devices, with the CPU-only planning flags
+    (`xla_flags.PLANNING`). For GPUs, N CPU devices too: host offload is lowered on them."""
+    if args.topology and not is_gpu(args.topology):
         import zerojax as zj
 
         # only compiling: skip libtpu's TPU-VM metadata lookups (and their error lines), and
@@ -125,25 +139,49 @@ def _plan_devices(args) -> list:
         os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
         os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        devices = zj.tpu_devices(args.topology)
-        if getattr(args, "devices", len(devices)) != len(devices):
-            raise zj.ZeroError(
-                f"--devices {args.devices} does not match --topology {args.topology}, which "
-                f"has {len(devices)} chips: leave --devices out."
-            )
-        args.devices = len(devices)
-        return devices
+        return _topology_devices(args, zj.tpu_devices(args.topology), "chips")
+    if args.topology:
+        import zerojax as zj
+        from zerojax.core.mesh import gpu_target
+
+        _, nodes, per_node = gpu_target(args.topology)
+        _cpu_devices(nodes * per_node)  # before jax's backends start
+
+        return _topology_devices(args, zj.gpu_devices(args.topology), "GPUs")
     args.devices = getattr(args, "devices", 8)
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
-    )
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    _cpu_devices(args.devices)
     from zerojax.core import xla_flags
 
     xla_flags.apply_planning_flags()
     import jax
 
     return jax.devices()[: args.devices]
+
+
+def _cpu_devices(count: int) -> None:
+    """Ask for `count` CPU devices on the CPU platform, before jax's backends start (jax is
+    imported already: its platform option is set as well as the environment)."""
+    import jax
+
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
+    )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+
+
+def _topology_devices(args, devices: list, what: str) -> list:
+    """A topology's devices, with --devices checked against them (or set from them)."""
+    from zerojax.core.config import ZeroError
+
+    if getattr(args, "devices", len(devices)) != len(devices):
+        raise ZeroError(
+            f"--devices {args.devices} does not match --topology {args.topology}, which "
+            f"has {len(devices)} {what}: leave --devices out."
+        )
+    args.devices = len(devices)
+    return devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +309,10 @@ def plan(args) -> int:
     except zj.ZeroError as e:
         print(f"zerojax plan: {e}", file=sys.stderr)
         return 2
+    if args.device_memory is None and is_gpu(args.topology):  # what fits: the GPU's memory
+        from zerojax.core.mesh import gpu_memory_bytes
+
+        args.device_memory = gpu_memory_bytes(args.topology)
     if args.max_batch and (args.device_memory is None or args.memory_budget):
         print(
             "zerojax plan: --max-batch needs --device-memory (and no --memory-budget)",
@@ -304,7 +346,7 @@ def _configs(args, local) -> list:
     return (
         [zj.ZeroConfig(stage=s, precision=args.precision) for s in stages]
         + [
-            zj.ZeroConfig(stage=s, precision=args.precision, **options)
+            zj.ZeroConfig(stage=s, precision=args.precision, **_offload_options(options, args))
             for s in stages
             for _, first, options in OFFLOADS[1:]
             if s >= first and not args.no_offload
@@ -315,6 +357,12 @@ def _configs(args, local) -> list:
             if local and 3 in stages
         ]
     )
+
+
+def _offload_options(options: dict, args) -> dict:
+    """An offload row's options for this target: on GPUs the update runs on the device (the
+    host update is not compiled for compile-only GPUs: zerojax.inspect.cross_compile)."""
+    return {**options, "offload_update": "device"} if is_gpu(args.topology) else options
 
 
 def _plan_row(args, cfg_z, work, devices, local) -> tuple[dict, object]:
@@ -352,7 +400,7 @@ def _plan_row(args, cfg_z, work, devices, local) -> tuple[dict, object]:
         "zeropp": zeropp,
         "precision": cfg_z.precision,
         "mesh": dict(zero.mesh.shape),
-        "target": f"tpu {args.topology}" if args.topology else "cpu",
+        "target": _target_name(args),
         "params": sum(x.size for x in jax.tree_util.tree_leaves(state.params)),
         "peak_bytes": rep.peak_bytes,
         "peak_bound_bytes": rep.peak_bound_bytes,
@@ -367,6 +415,9 @@ def _plan_row(args, cfg_z, work, devices, local) -> tuple[dict, object]:
         # runs, and exposed (on CPU, everything is exposed)
         "overlapped_sent_bytes": int(rep.overlap[0]),
         "exposed_sent_bytes": int(rep.overlap[1]),
+        "launches": rep.launches,  # collective launches per step by kind, after combining
+        # device<->host copies of the compiled program: (bytes beside a matmul, exposed)
+        "host_copies": {kind: list(pair) for kind, pair in rep.host_copies.items()},
         "matmul_flops": rep.matmul_flops,  # per device, loop trips counted
         # a 1-D mesh has no node boundary to count
         "cross_node_bytes": int(rep.cross_node_bytes) if "node" in zero.mesh.shape else None,
@@ -375,6 +426,13 @@ def _plan_row(args, cfg_z, work, devices, local) -> tuple[dict, object]:
         "max_batch_compiles": largest[1] if largest else None,
     }
     return row, rep.peak
+
+
+def _target_name(args) -> str:
+    """'cpu', 'tpu v5e:2x4' or 'gpu h100:2x8'."""
+    if not args.topology:
+        return "cpu"
+    return f"{'gpu' if is_gpu(args.topology) else 'tpu'} {args.topology}"
 
 
 def _print_plan(rows, peaks, args, work) -> None:
@@ -404,7 +462,8 @@ def _print_table(rows, args, title: str) -> None:
         f"{'peak ' + unit:>9} {'bound ' + unit:>9} {'host ' + unit:>9} "
         f"{'sent ' + unit + '/step':>13}"
         + (f"{'cross-node':>11}" if cross else "")
-        + (f"{'overlapped':>11}{'exposed':>9}" if args.topology else "")
+        + (f"{'overlapped':>11}{'exposed':>9}{'launches':>9}" if args.topology else "")
+        + (f"{'host copies':>12}" if is_gpu(args.topology) else "")
         + f"{'GFLOP/step':>11}  fits"
     )
     for r in rows:
@@ -417,7 +476,13 @@ def _print_table(rows, args, title: str) -> None:
             + (f"{gib(r['cross_node_bytes']):>11}" if cross else "")
             + (
                 f"{gib(r['overlapped_sent_bytes']):>11}{gib(r['exposed_sent_bytes'])}"
+                f"{sum(r['launches'].values()):>9}"
                 if args.topology
+                else ""
+            )
+            + (
+                f"{gib(sum(sum(pair) for pair in r['host_copies'].values())):>12}"
+                if is_gpu(args.topology)
                 else ""
             )
             + f"{r['matmul_flops'] / 1e9:>11.1f}  {fits}"
@@ -425,14 +490,27 @@ def _print_table(rows, args, title: str) -> None:
     print(
         "per device. at rest: state in device memory between steps; peak: compiled arguments "
         "+ temporaries; bound: peak + offloaded state the step streams in (fits uses it); "
-        "host: offloaded state in pinned host memory. Offload rows update on the host. sent: "
+        "host: offloaded state in pinned host memory. "
+        + (
+            "Offload rows stream it to the GPU and back. "
+            if is_gpu(args.topology)
+            else "Offload rows update on the host. "
+        )
+        + "sent: "
         "bytes one device sends per step (ring algorithms); cross-node: of which in "
         "collectives whose groups span nodes. GFLOP/step: the compiled program's matmuls per "
         "device, each loop body once per iteration (recomputation included)."
         + (
-            " overlapped / exposed: bytes the TPU program itself sends (its collectives after "
-            "combining, in the dtypes it chose) while a matmul runs / with nothing beside them."
+            " overlapped / exposed: bytes the compiled program itself sends (its collectives "
+            "after combining, in the dtypes it chose) while a matmul runs / with nothing beside "
+            "them; launches: its collective launches per step."
             if args.topology
+            else ""
+        )
+        + (
+            " host copies: bytes copied between the GPU and host memory per step (offload); "
+            "the peak includes what they bring in, so bound = peak."
+            if is_gpu(args.topology)
             else ""
         )
     )
@@ -457,6 +535,16 @@ def _target(args) -> str:
 
     import jax
 
+    if is_gpu(args.topology):
+        from zerojax.core.mesh import gpu_memory_bytes
+
+        plugin = importlib.metadata.version("jax-cuda12-plugin")
+        memory = gpu_memory_bytes(args.topology) / 1e9
+        return (
+            f"GPUs {args.topology} ({args.devices} GPUs, {memory:.1f} GB each), ahead of time "
+            f"by XLA:GPU (jax-cuda12-plugin {plugin}, jax {jax.__version__}): its program "
+            "with default gemm configs (no autotuning), nothing run"
+        )
     if args.topology:
         libtpu = importlib.metadata.version("libtpu")
         return (
