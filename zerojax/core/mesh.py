@@ -90,12 +90,10 @@ def gpu_devices(spec: str) -> list:
     'h200', 'b200'. XLA:GPU compiles a step for them with no GPU present (`zero.report`,
     `zerojax plan --topology`): its own program (NCCL collectives after its combiners, the
     latency-hiding schedule, its memory), with default gemm configs (no autotuning)."""
-    import importlib.util
-
     from jax.experimental import topologies
 
     kind, nodes, per_node = gpu_target(spec)
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not has_gpu_compiler():
         raise ZeroError(
             f"compiling for {spec!r} needs JAX's CUDA plugin (no GPU and no NVIDIA libraries "
             f"are needed): {GPU_PLUGIN_EXTRA}, which installs the plugin of your jax release."
@@ -112,6 +110,16 @@ def gpu_devices(spec: str) -> list:
         platform="cuda", target_config=_gpu_spec(kind), topology=f"{nodes}x1x{per_node}"
     )
     return list(described.devices)
+
+
+def has_gpu_compiler() -> bool:
+    """Whether JAX's CUDA plugin, which compiles for GPUs that are not present, is installed."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def _gpu_spec(kind: str) -> str:
