@@ -3,7 +3,8 @@
 # gets what is left of a 570-second budget, capped at 180 s; a run that would start with under
 # 60 s left is skipped and says so).
 # Checks the GPU backend, then tokens/s and MFU of the example LM for presets at stage 0 and
-# stage 3 (bf16), then the largest preset that trains with offload_optimizer, as one table.
+# stage 3 (bf16), then the largest preset that trains with offload_optimizer, as one table;
+# and this GPU's autotune results, for `zerojax plan --gpu-autotune` (docs/planning.md).
 # Not used by tests or CI.   Usage: bash bench/gpu.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,10 +40,14 @@ PY
 echo "config                              tokens/s        MFU         last loss"
 for preset in 125m 1.3b; do
   for stage in 0 3; do
-    run "$preset stage $stage bf16" --preset "$preset" --stage "$stage" --precision bf16 \
-      --steps 20 --batch-size 8 --seq-len 1024
+    dump=""  # the 1.3b stage-3 run also writes this GPU's autotune results, which
+    # `zerojax plan --topology <this kind>:8 --gpu-autotune $OUT/autotune.textproto` loads
+    [[ "$preset $stage" == "1.3b 3" ]] && dump="--xla_gpu_dump_autotune_results_to=$OUT/autotune.textproto"
+    XLA_FLAGS="${XLA_FLAGS:-} $dump" run "$preset stage $stage bf16" --preset "$preset" \
+      --stage "$stage" --precision bf16 --steps 20 --batch-size 8 --seq-len 1024
   done
 done
+[[ -s "$OUT/autotune.textproto" ]] && echo "autotune results: $OUT/autotune.textproto"
 for preset in 7b 1.3b; do   # the largest that trains with the optimizer state offloaded
   if run "$preset stage 3 bf16 offload_optimizer" --config configs/zero3_offload.json \
       --preset "$preset" --steps 12 --batch-size 1 --seq-len 1024 | tee "$OUT/offload.txt" \

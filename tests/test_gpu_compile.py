@@ -191,3 +191,41 @@ def test_plan_for_h100_nodes_prints_every_stage(topology):
     assert rows[3]["overlapped_sent_bytes"] > 0  # XLA:GPU overlaps stage 3's gathers
     if gpus == 16:  # two nodes: cross-node bytes counted; hpZ keeps its gathers in the node
         assert rows[4]["cross_node_bytes"] < rows[3]["cross_node_bytes"]
+
+
+def _plan(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zerojax.commands.cli", "plan", "--preset", "tiny", *argv],
+        env=subprocess_env(JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_gpu_autotune_results_need_a_gpu_target_and_a_file(tmp_path):
+    out = _plan("--gpu-autotune", str(tmp_path / "results.textproto"))
+    assert out.returncode == 2
+    assert "--gpu-autotune needs a GPU --topology" in out.stderr
+    if has_gpu_compiler():
+        out = _plan("--topology", "h100:8", "--gpu-autotune", str(tmp_path / "missing.txtpb"))
+        assert out.returncode == 2 and "missing.txtpb': no such file" in out.stderr
+
+
+@needs_plugin
+def test_plan_compiles_with_autotune_results_from_a_gpu(tmp_path):
+    # XLA reads the file (an empty set of results here: a real one comes from bench/gpu.sh)
+    results = tmp_path / "autotune.textproto"
+    results.write_text("version: 3\n")
+    out = _plan(
+        "--topology", "h100:8", "--stage", "3", "--no-offload", "--gpu-autotune", str(results)
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"with the autotune results of {results}" in out.stdout
+    results.write_text("version: 999\n")  # XLA reads it: a file it cannot use is named
+    out = _plan(
+        "--topology", "h100:8", "--stage", "3", "--no-offload", "--gpu-autotune", str(results)
+    )
+    assert out.returncode == 2
+    assert "XLA cannot use it: INVALID_ARGUMENT: Version mismatch" in out.stderr
+    assert "Traceback" not in out.stderr

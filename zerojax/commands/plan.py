@@ -58,6 +58,13 @@ def plan_parser(sub) -> None:
         "Nothing runs: the accelerator compiler's own program is measured",
     )
     p.add_argument(
+        "--gpu-autotune",
+        metavar="FILE",
+        help="with a GPU --topology: gemm and fusion configs XLA autotuned on a real GPU of "
+        "that kind (a file XLA_FLAGS=--xla_gpu_dump_autotune_results_to=FILE wrote there; "
+        "bench/gpu.sh writes one), instead of the default configs a compile without a GPU uses",
+    )
+    p.add_argument(
         "--mesh",
         help="NODESxLOCAL, e.g. 2x4: a ('node', 'local') mesh (counts "
         "cross-node bytes, adds ZeRO++ and MiCS rows at stage 3); '8' or '1x8': 1-D",
@@ -131,6 +138,10 @@ def _plan_devices(args) -> list:
     """The devices `plan` compiles for: a TPU slice's or GPU nodes' abstract devices
     (--topology) or N simulated CPU devices, with the CPU-only planning flags
     (`xla_flags.PLANNING`). For GPUs, N CPU devices too: host offload is lowered on them."""
+    from zerojax.core.errors import ZeroError
+
+    if args.gpu_autotune and not is_gpu(args.topology):
+        raise ZeroError("--gpu-autotune needs a GPU --topology, e.g. --topology h100:8")
     if args.topology and not is_gpu(args.topology):
         import zerojax as zj
 
@@ -146,6 +157,7 @@ def _plan_devices(args) -> list:
 
         _, nodes, per_node = gpu_target(args.topology)
         _cpu_devices(nodes * per_node)  # before jax's backends start
+        _load_autotune_results(args.gpu_autotune)
 
         return _topology_devices(args, zj.gpu_devices(args.topology), "GPUs")
     args.devices = getattr(args, "devices", 8)
@@ -156,6 +168,19 @@ def _plan_devices(args) -> list:
     import jax
 
     return jax.devices()[: args.devices]
+
+
+def _load_autotune_results(path: str | None) -> None:
+    """Have XLA:GPU read the autotune results at `path` (before jax's backends start: XLA
+    reads its flags once)."""
+    if not path:
+        return
+    from zerojax.core.errors import ZeroError
+
+    if not os.path.isfile(path):
+        raise ZeroError(f"--gpu-autotune {path!r}: no such file")
+    flag = f"--xla_gpu_load_autotune_results_from={os.path.abspath(path)}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def _cpu_devices(count: int) -> None:
@@ -326,7 +351,16 @@ def plan(args) -> int:
         return 2
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
-    planned = [_plan_row(args, cfg_z, work, devices, local) for cfg_z in _configs(args, local)]
+    try:
+        planned = [_plan_row(args, cfg_z, work, devices, local) for cfg_z in _configs(args, local)]
+    except Exception as e:  # XLA reads --gpu-autotune's file at the first compile
+        if not (args.gpu_autotune and "autotune" in str(e).lower()):
+            raise
+        print(
+            f"zerojax plan: --gpu-autotune {args.gpu_autotune!r}: XLA cannot use it: {e}",
+            file=sys.stderr,
+        )
+        return 2
     rows, peaks = [row for row, _ in planned], [peak for _, peak in planned]
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -543,7 +577,12 @@ def _target(args) -> str:
         return (
             f"GPUs {args.topology} ({args.devices} GPUs, {memory:.1f} GB each), ahead of time "
             f"by XLA:GPU (jax-cuda12-plugin {plugin}, jax {jax.__version__}): its program "
-            "with default gemm configs (no autotuning), nothing run"
+            + (
+                f"with the autotune results of {args.gpu_autotune}"
+                if args.gpu_autotune
+                else "with default gemm configs (no autotuning)"
+            )
+            + ", nothing run"
         )
     if args.topology:
         libtpu = importlib.metadata.version("libtpu")
