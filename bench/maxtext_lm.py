@@ -37,17 +37,28 @@ from zerojax.inspect.report import compile_with_partitioned_hlo  # noqa: E402
 from zerojax.inspect.schedule import scheduled_collectives  # noqa: E402
 
 
+def _is_gpu(topology: str) -> bool:
+    from zerojax.core.mesh import GPU_KINDS
+
+    return topology.split(":")[0] in GPU_KINDS
+
+
 def maxtext_argv(topology: str, chips: int, remat: str) -> list[str]:
-    """train_compile's command line for SHAPE on `chips` chips of `topology` (e.g. v5e:2x4)
-    with MaxText's `remat_policy=remat`."""
+    """train_compile's command line for SHAPE on `chips` chips of `topology` (e.g. v5e:2x4, or
+    GPUs: h100:8, whose mesh `compile_maxtext` builds) with MaxText's `remat_policy=remat`."""
     import maxtext
 
     base = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
+    target = (
+        ["compile_topology=a3", "hardware=gpu"]  # MaxText's H100 node ('a3'); mesh: ours
+        if _is_gpu(topology)
+        else [f"compile_topology={topology.split(':')[0]}-{chips}"]
+    )
     return [
         "train_compile",
         str(base),
         "run_name=zerojax_bench",
-        f"compile_topology={topology.split(':')[0]}-{chips}",
+        *target,
         "compile_topology_num_slices=1",
         f"base_emb_dim={SHAPE['d_model']}",
         f"base_num_query_heads={SHAPE['heads']}",
@@ -111,12 +122,26 @@ def compile_maxtext(topology: str, chips: int, remat: str) -> dict:
         )
         return compiled
 
-    original = train_compile.jit_and_compile
+    def gpu_mesh(config):  # MaxText's own mesh code, on the compile-only GPUs: its
+        # train_compile asks jax.devices() for GPUs, which needs GPUs present
+        import zerojax as zj
+
+        devices = maxtext_utils.create_device_mesh(config, zj.gpu_devices(topology))
+        return jax.sharding.Mesh(
+            devices, config.mesh_axes, axis_types=(AxisType.Auto,) * len(config.mesh_axes)
+        )
+
+    from jax.sharding import AxisType
+    from maxtext.utils import maxtext_utils
+
+    originals = train_compile.jit_and_compile, train_compile.get_topology_mesh
     train_compile.jit_and_compile = jit_and_compile
+    if _is_gpu(topology):
+        train_compile.get_topology_mesh = gpu_mesh
     try:
         train_compile.main(maxtext_argv(topology, chips, remat))
     finally:
-        train_compile.jit_and_compile = original
+        train_compile.jit_and_compile, train_compile.get_topology_mesh = originals
     return kept
 
 
@@ -124,7 +149,7 @@ def maxtext_row(topology: str, remat: str) -> dict:
     """bench/accelerator_compile.py's row for MaxText with `remat_policy=remat`, read as
     `zero.report` reads zerojax's step (run in its own process: MaxText sets process-wide jax
     options, e.g. its PRNG)."""
-    chips = math.prod(int(d) for d in topology.split(":")[1].split("x"))  # v5e:2x4: 8
+    chips = math.prod(int(d) for d in topology.split(":")[1].split("x"))  # v5e:2x4, h100:8: 8
     got = compile_maxtext(topology, chips, remat)
     mem = got["compiled"].memory_analysis()
     scheduled = scheduled_collectives(got["compiled"].as_text(), chips)
