@@ -31,6 +31,7 @@ BENCHMARKS = {
     "memory_at_peak": [],
     "inference_cost": [],
     "accelerator_compile": [],  # needs libtpu and MaxText (bench/maxtext_lm.py), else left
+    "gpu_compile": [],  # needs the CUDA plugin and MaxText (bench/maxtext_lm.py), else left
     "optimizer_state_dtype": [],
     "recompute_units": [],
     "peers_comm": [],
