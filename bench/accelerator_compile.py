@@ -29,7 +29,6 @@ bench/results/accelerator_compile.json and .md.
 import argparse
 import collections
 import importlib.metadata
-import importlib.util
 import os
 import sys
 
@@ -41,7 +40,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # MaxText compiles in 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
-from benchlib import markdown_table, run_with_devices, write_results  # noqa: E402
+from benchlib import markdown_table, maxtext_missing, run_with_devices, write_results  # noqa: E402
 from jax_lm import SHAPE, lm_config  # noqa: E402
 
 import zerojax as zj  # noqa: E402
@@ -136,12 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--topology", default="v5e:2x4", help="TPU slice, e.g. v5e:2x4 (8 chips)")
     p.add_argument("--without-maxtext", action="store_true", help="zerojax's rows only")
     args = p.parse_args(argv)
-    if not args.without_maxtext and importlib.util.find_spec("maxtext") is None:
-        print(
-            "accelerator_compile: MaxText is not installed here; install it beside zerojax "
-            "(bench/maxtext_lm.py says how) or pass --without-maxtext",
-            file=sys.stderr,
-        )
+    if not args.without_maxtext and maxtext_missing("accelerator_compile"):
         return 2
     try:
         rows = measure(args.topology)

@@ -82,3 +82,17 @@ def markdown_table(headers: list, rows: list) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def maxtext_missing(bench: str) -> bool:
+    """Whether MaxText is absent for `bench`'s MaxText rows (and say so, with the fix)."""
+    import importlib.util
+
+    if importlib.util.find_spec("maxtext") is not None:
+        return False
+    print(
+        f"{bench}: MaxText is not installed here; install it beside zerojax "
+        "(bench/maxtext_lm.py says how) or pass --without-maxtext",
+        file=sys.stderr,
+    )
+    return True

@@ -34,7 +34,6 @@ Writes bench/results/gpu_compile.json and .md.
 
 import argparse
 import importlib.metadata
-import importlib.util
 import math
 import os
 import sys
@@ -49,7 +48,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from accelerator_compile import schedule_figures  # noqa: E402
-from benchlib import markdown_table, run_with_devices, write_results  # noqa: E402
+from benchlib import markdown_table, maxtext_missing, run_with_devices, write_results  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from jax_lm import SHAPE, lm_config  # noqa: E402
@@ -353,12 +352,7 @@ def main(argv=None) -> int:
     p.add_argument("--without-maxtext", action="store_true", help="no MaxText row")
     p.add_argument("--without-largest", action="store_true", help="no largest-model table")
     args = p.parse_args(argv)
-    if not args.without_maxtext and importlib.util.find_spec("maxtext") is None:
-        print(
-            "gpu_compile: MaxText is not installed here; install it beside zerojax "
-            "(bench/maxtext_lm.py says how) or pass --without-maxtext",
-            file=sys.stderr,
-        )
+    if not args.without_maxtext and maxtext_missing("gpu_compile"):
         return 2
     try:
         zj.gpu_devices(args.targets[0])
