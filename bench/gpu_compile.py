@@ -78,6 +78,7 @@ def workload(model: str, gpus: int, layers: int | None = None):
 
 
 def mesh_of(target: str):
+    """`target`'s compile-only GPUs as a mesh: one axis, or ('node', 'local') across nodes."""
     _, nodes, per_node = gpu_target(target)
     return zj.make_mesh(zj.gpu_devices(target), local=per_node if nodes > 1 else None)
 
