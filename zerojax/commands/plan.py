@@ -351,9 +351,11 @@ def plan(args) -> int:
         return 2
     if args.dump_hlo:
         os.makedirs(args.dump_hlo, exist_ok=True)
+    import jax
+
     try:
         planned = [_plan_row(args, cfg_z, work, devices, local) for cfg_z in _configs(args, local)]
-    except Exception as e:  # XLA reads --gpu-autotune's file at the first compile
+    except jax.errors.JaxRuntimeError as e:  # XLA reads --gpu-autotune's file at first compile
         if not (args.gpu_autotune and "autotune" in str(e).lower()):
             raise
         print(
