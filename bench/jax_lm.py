@@ -61,7 +61,7 @@ def main() -> int:
     if args.plain_jit and (args.jit_fsdp or args.unit_buffers or args.collectives):
         p.error("--plain-jit is one device without zerojax: it takes no zerojax option")
 
-    from zerojax.commands.launch import initialize
+    from zerojax import initialize
 
     initialize()  # before jax is used: a process of `zerojax launch` joins its run
     import jax

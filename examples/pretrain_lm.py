@@ -199,7 +199,7 @@ def main(argv=None):
     from jax.experimental import multihost_utils
 
     import zerojax as zj
-    from zerojax.commands.launch import initialize
+    from zerojax import initialize
     from zerojax.core.config_files import read_config
     from zerojax.models.data import Batches, load_tokens
     from zerojax.models.gpt import make_init

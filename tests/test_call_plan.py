@@ -14,7 +14,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.core.call_plan import OTHER, UNIT, WHOLE, ApplyHookError, plan_call
+from zerojax.core.call_plan import OTHER, UNIT, WHOLE, ApplyHookError, FoundUnits, plan_call
 from zerojax.core.rules import PARAMS
 
 
@@ -60,9 +60,8 @@ def test_a_linen_call_is_planned_from_shapes(stage):
     layout = zero.layout(state)
     variables = {"params": state.params, "batch_stats": stats}
     tokens, rows = jax.ShapeDtypeStruct((16, 8), jnp.int32), {16}
-    plan = plan_call(
-        layout, zero.config, variables, [tokens, np.zeros(3)], rows, {"layers": LAYER_LEAVES}
-    )
+    units = FoundUnits({"layers": LAYER_LEAVES})
+    plan = plan_call(layout, zero.placement.unit, variables, [tokens, np.zeros(3)], rows, units)
 
     by_path = {leaf.path: leaf for leaf in plan.leaves}
     assert plan.units == ("layers",) and plan.layers == {"layers": (3,)}
@@ -88,7 +87,7 @@ def test_the_compute_dtype_and_no_units_at_stage_0():
     state, stats = linen_state()
     variables = {"params": zero.eval_shape(lambda k: state, None).params}
     tokens = jax.ShapeDtypeStruct((16, 8), jnp.int32)
-    plan = plan_call(zero.layout(state), zero.config, variables, [tokens], {16})
+    plan = plan_call(zero.layout(state), zero.placement.unit, variables, [tokens], {16})
     assert plan.units == () and not plan.in_place
     assert {leaf.role for leaf in plan.leaves} == {WHOLE}
     assert {leaf.compute_dtype for leaf in plan.leaves} == {jnp.dtype(jnp.bfloat16)}
@@ -100,7 +99,7 @@ def test_a_call_without_the_batch_is_refused_naming_the_batch():
     state, _ = linen_state()
     odd = jax.ShapeDtypeStruct((5, 8), jnp.int32)
     with pytest.raises(ApplyHookError, match=r"leading dimension \[16\]"):
-        plan_call(zero.layout(state), zero.config, {"params": state.params}, [odd], {16})
+        plan_call(zero.layout(state), zero.placement.unit, {"params": state.params}, [odd], {16})
 
 
 class Mlp(nnx.Module):
@@ -137,7 +136,8 @@ def test_an_nnx_call_is_planned_from_shapes():
     unit = (("down/bias", 1), ("down/kernel", 2), ("up/bias", 1), ("up/kernel", 2))
     units = {"blocks/0": unit, "blocks/1": unit}
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
-    plan = plan_call(layout, zero.config, variables, [x], {8}, units, stacks_indexable=False)
+    found = FoundUnits(units, stacks_indexable=False)
+    plan = plan_call(layout, zero.placement.unit, variables, [x], {8}, found)
 
     roles = {leaf.path: leaf.role for leaf in plan.leaves if leaf.role != OTHER}
     assert roles["blocks/1/up/kernel"] == UNIT and roles["inp/kernel"] == WHOLE
@@ -159,9 +159,8 @@ def test_a_stacks_small_leaves_enter_whole():
         zero = zj.zero_shard(stage=stage, persistence_threshold=64)
         layout = zero.layout(state)
         assert layout.params["layers/LayerNorm_0/scale"].split_dim is not None
-        plan = plan_call(
-            layout, zero.config, {"params": state.params}, [tokens], {16}, {"layers": LAYER_LEAVES}
-        )
+        variables, found = {"params": state.params}, FoundUnits({"layers": LAYER_LEAVES})
+        plan = plan_call(layout, zero.placement.unit, variables, [tokens], {16}, found)
         by_path = {leaf.path: leaf for leaf in plan.leaves}
         assert by_path["layers/LayerNorm_0/scale"].role == WHOLE
         assert by_path["layers/up/kernel"].role == UNIT

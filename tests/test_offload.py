@@ -13,9 +13,9 @@ import pytest
 from common import assert_trees_close, host_state
 
 import zerojax as zj
-from zerojax.engine.optim import ZeroOptState
 from zerojax.models.gpt import make_init, train_step
 from zerojax.models.lm import LM, LM_PRESETS
+from zerojax.update.managed import ZeroOptState
 
 CFG = LM_PRESETS["tiny"].replace(n_layers=2, d_model=64, n_heads=4, d_ff=128, seq_len=16)
 INIT = make_init(LM(CFG), optax.adamw(1e-3, eps=1e-5, weight_decay=0.01))

@@ -18,7 +18,7 @@ from zerojax.commands.launch import free_port
 
 PEER = """
 import os, sys, time
-from zerojax.commands.launch import initialize
+from zerojax import initialize
 initialize()
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P

@@ -37,7 +37,7 @@ D = "data"
 )
 def test_default_rule_table(shape, n, threshold, spec, why):
     cfg = zj.ZeroConfig(stage=3, persistence_threshold=threshold)
-    assert split_spec(shape, D, n, cfg)[0] == spec, why
+    assert split_spec(shape, n, cfg)[0] == spec, why
 
 
 STACK = {  # nn.scan over 4 blocks: every leaf gains a leading 4
@@ -80,22 +80,22 @@ def test_a_stack_is_found_by_its_shapes(shapes, stacked):
 def test_a_stack_is_split_past_its_layers_and_a_layer_on_its_first_dim():
     # each layer's shard is then a block of rows: a gather lays them end to end (no transpose)
     cfg = zj.ZeroConfig(stage=3, persistence_threshold=0)
-    assert split_spec((8, 64, 256), D, 8, cfg, stacked=True) == (
+    assert split_spec((8, 64, 256), 8, cfg, stacked=True) == (
         P(None, D, None),
         "sharded dim 1 (dim 0: a stack's layers)",
     )
-    assert split_spec((8, 3, 5), D, 8, cfg, stacked=True)[0] == P(D, None, None)  # only dim 0
-    assert split_spec((8, 64, 256), D, 8, cfg)[0] == P(D, None, None)
+    assert split_spec((8, 3, 5), 8, cfg, stacked=True)[0] == P(D, None, None)  # only dim 0
+    assert split_spec((8, 64, 256), 8, cfg)[0] == P(D, None, None)
 
 
 def test_user_rules_by_path_regex():
     cfg = zj.ZeroConfig(
         stage=3, persistence_threshold=0, rules=((r"Embed_0/embedding", None), (r"head/kernel$", 0))
     )
-    assert split_spec((203, 64), D, 8, cfg, "Embed_0/embedding")[0] == P()
-    assert split_spec((64, 208), D, 8, cfg, "head/kernel")[0] == P(D, None)
+    assert split_spec((203, 64), 8, cfg, "Embed_0/embedding")[0] == P()
+    assert split_spec((64, 208), 8, cfg, "head/kernel")[0] == P(D, None)
     with pytest.raises(zj.ZeroError, match="head/kernel.*does not divide"):
-        split_spec((63, 208), D, 8, cfg, "head/kernel")
+        split_spec((63, 208), 8, cfg, "head/kernel")
 
 
 def _abstract_state(tx):
@@ -143,7 +143,7 @@ def test_optimizer_state_follows_its_parameter(name):
         elif plan.shape == ():
             assert plan.spec == P(), plan  # counts, hyperparameters
         else:  # factored moments: own shape
-            assert plan.spec == split_spec(plan.shape, D, 8, zero.config)[0], plan
+            assert plan.spec == split_spec(plan.shape, 8, zero.config)[0], plan
     assert followed > 0 or name == "adafactor"
 
 

@@ -4,12 +4,16 @@ from zerojax.core import xla_flags as _xla_flags
 
 _xla_flags.apply_defaults()  # before anything starts JAX's backend
 
-from zerojax.core.config import ZeroConfig, ZeroError  # noqa: E402
-from zerojax.core.errors import ZeroWarning  # noqa: E402
+from zerojax.core.config import ZeroConfig  # noqa: E402
+from zerojax.core.errors import ZeroError, ZeroWarning  # noqa: E402
 from zerojax.core.mesh import gpu_devices, make_mesh, tpu_devices  # noqa: E402
+from zerojax.core.processes import initialize  # noqa: E402
 from zerojax.deepspeed.optimizer import optimizer_from_config  # noqa: E402
 from zerojax.engine.step import ZeroStep  # noqa: E402
+from zerojax.moved import install as _install_moved_paths  # noqa: E402
 from zerojax.shard import ZeroShard, zero_shard  # noqa: E402
+
+_install_moved_paths()  # `zerojax.launch`, `zerojax.hlo`...: the paths a release documented
 
 __all__ = [
     "CheckpointManager",
@@ -19,6 +23,7 @@ __all__ = [
     "ZeroStep",
     "ZeroWarning",
     "gpu_devices",
+    "initialize",
     "make_mesh",
     "tpu_devices",
     "optimizer_from_config",

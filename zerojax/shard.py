@@ -16,16 +16,13 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from zerojax.comm.hierarchy import NODE, comm_for
 from zerojax.comm.offload import to_storage
-from zerojax.core.config import ZeroConfig, ZeroError, resolve_config
-from zerojax.core.errors import warn
-from zerojax.core.mesh import default_mesh
-from zerojax.core.rules import LeafPlan, StateLayout, path_str, plan_state, with_units
+from zerojax.core.config import ZeroConfig, resolve_config
+from zerojax.core.errors import ZeroError, warn
+from zerojax.core.rules import LeafPlan, StateLayout, plan_state, with_units
 from zerojax.engine.checks import check_init_fn
+from zerojax.engine.placement import Placement, inert_options, place_batch
 from zerojax.engine.state import Boundary, boundary, managed
 from zerojax.engine.step import ZeroStep
 from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
@@ -53,19 +50,17 @@ class ZeroShard:
     """Sharding rules for one mesh and config, and the decorator that applies them to a step."""
 
     def __init__(self, config: ZeroConfig, mesh=None):
-        self.mesh = default_mesh(config) if mesh is None else mesh
-        self.comm = comm_for(self.mesh, config)  # which axes each collective runs over
+        # resolved once: batch sizes and 'auto' for this mesh, its Comm, the policy views
+        self.placement = Placement.resolve(config, mesh)
+        self.mesh, self.comm = self.placement.mesh, self.placement.comm
         self.axis_size = self.comm.data_size  # devices that split the batch
         self.shard_size = self.comm.shard_size  # devices that split the state
-        # batch sizes and 'auto' resolved; `axis` names the shard axes of this mesh
-        self.config = config.for_devices(self.axis_size).replace(axis=self.comm.shard_axis)
+        self.config = self.placement.config
         # a pure cache of `layout`, keyed by structure, and the causes this zero has warned
-        # about (each once); nothing else is kept between calls
+        # about (each once, the placement's); nothing else is kept between calls
         self._layouts: dict[tuple, StateLayout] = {}
-        self.warned: set[str] = set()
-        idle = config.inert_options()
-        if NODE in self.mesh.shape and config.axis not in ("data", self.comm.shard_axis):
-            idle["axis"] = "on a ('node', 'local') mesh: zerojax shards over both its axes"
+        self.warned = self.placement.warned
+        idle = inert_options(config, self.placement)
         if idle:
             warn(
                 "zerojax: "
@@ -149,9 +144,8 @@ class ZeroShard:
         return held.rebuild(held.tree)
 
     def _managed(self, user: Boundary, tree) -> Boundary:
-        return managed(
-            user, read_linen_boxes(tree, self.mesh, self.config)[0], self.config, self.axis_size
-        )
+        tree = read_linen_boxes(tree, self.mesh, self.config)[0]
+        return managed(user, tree, self.placement.update, self.axis_size)
 
     def abstract(self, state: PyTree) -> PyTree:
         """`state` (a train state or its abstract shape; NNX objects: their dict state) as this
@@ -232,49 +226,7 @@ class ZeroShard:
     def place_batch(self, batch: PyTree) -> PyTree:
         """Each batch leaf split on its leading dim over the axis (scalars replicated). In a
         multi-process run each process passes its own slice of the global batch."""
-        multiprocess = jax.process_count() > 1
-        leading = {
-            path_str(p) or "(root)": np.shape(x)[0]
-            for p, x in jax.tree_util.tree_flatten_with_path(batch)[0]
-            if np.ndim(x)
-        }
-        if len(set(leading.values())) > 1:
-            raise ZeroError(
-                f"batch leaves have different leading dimensions ({leading}): "
-                "zerojax splits every batch leaf on its first dimension, so all "
-                "need the batch first and the same number of rows."
-            )
-
-        def place(path, leaf):
-            if not hasattr(leaf, "shape"):
-                leaf = np.asarray(leaf)
-            sharding = NamedSharding(self.mesh, P(self.comm.data_axis) if np.ndim(leaf) else P())
-            if isinstance(leaf, jax.Array) and leaf.sharding == sharding:
-                return leaf
-            abstract = isinstance(leaf, jax.ShapeDtypeStruct)  # always the global batch
-            rows = np.shape(leaf)[0] if np.ndim(leaf) else 0
-            rows *= jax.process_count() if multiprocess and not abstract else 1
-            micro = self.config.micro_batch_size
-            if micro and np.ndim(leaf) and rows != micro * self.axis_size:
-                raise ZeroError(
-                    f"batch leaf {path_str(path) or '(root)'} has {rows} rows, but the config "
-                    f"says train_micro_batch_size_per_gpu {micro} x {self.axis_size} devices = "
-                    f"{micro * self.axis_size} per call of the step."
-                )
-            if rows % self.axis_size:
-                raise ZeroError(
-                    f"batch leaf {path_str(path) or '(root)'} has {rows} rows (shape "
-                    f"{np.shape(leaf)}), which does not divide by the {self.axis_size} devices "
-                    f"of axes {self.comm.data_axis!r}: use a global batch that is a multiple of "
-                    f"{self.axis_size}."
-                )
-            if abstract:
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-            if multiprocess and np.ndim(leaf):
-                return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
-            return jax.device_put(leaf, sharding)
-
-        return jax.tree_util.tree_map_with_path(place, batch)
+        return place_batch(self.placement, batch)
 
     # ---- the step --------------------------------------------------------------------------
     def __call__(
@@ -292,7 +244,16 @@ class ZeroShard:
             )
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
-        return ZeroStep(self, step_fn, batch_argnum, tuple(static_argnums))
+        options = {"batch_argnum": batch_argnum, "static_argnums": tuple(static_argnums)}
+
+        def compile_and_report(keep_gathered: tuple, args: tuple):
+            """memory_budget's trial: the step with `keep_gathered`, and its report."""
+            config = self.config.replace(memory_budget=0, keep_gathered=keep_gathered)
+            variant = ZeroShard(config, self.mesh)
+            step = variant(step_fn, **options)
+            return step, variant.report(step, *args)
+
+        return ZeroStep(self.placement, step_fn, self.layout, fit=compile_and_report, **options)
 
     def load_safetensors(self, state: PyTree, path: str, *, names=None, transpose=None) -> PyTree:
         """`state` with its parameters read from a Hugging Face style safetensors file, each

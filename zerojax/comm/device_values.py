@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from zerojax.core.config import ZeroError
+from zerojax.core.errors import ZeroError
 from zerojax.core.rules import spec_names
 
 

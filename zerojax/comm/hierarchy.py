@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.quant import quantized_all_gather, quantized_reduce_scatter
-from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ZeroError
 
 NODE, LOCAL = "node", "local"
 

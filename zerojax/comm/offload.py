@@ -84,7 +84,7 @@ def optimizer_on_host(update, master, inner, grads, finite, *, shardings):
 
     new_master, new_inner, updates = run(*args)
     # the new master and the updates come back to the device, where the user's update code
-    # reads them (and the master follows what it returns, optim.settle); the state stays
+    # reads them (and the master follows what it returns, managed.settle); the state stays
     device = lambda tree: jax.tree_util.tree_map(
         lambda x, s: _put(x, s, DEVICE), tree, shardings[0]
     )

@@ -39,7 +39,7 @@ def checkpoint_parser(sub) -> None:
 
 def checkpoint(args) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from zerojax.core.config import ZeroError
+    from zerojax.core.errors import ZeroError
     from zerojax.io.export import export, info, verify
 
     try:
@@ -86,8 +86,9 @@ def config_parser(sub) -> None:
 
 
 def config(args) -> int:
-    from zerojax.core.config import ZeroConfig, ZeroError
+    from zerojax.core.config import ZeroConfig
     from zerojax.core.config_files import read_config
+    from zerojax.core.errors import ZeroError
     from zerojax.deepspeed.reader import explain
 
     try:

@@ -19,7 +19,8 @@ from typing import Any
 
 def parse_bytes(text: str) -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30 (GB is decimal, GiB binary)."""
-    from zerojax.core.config import ZeroError, size_in_bytes
+    from zerojax.core.config import size_in_bytes
+    from zerojax.core.errors import ZeroError
 
     try:
         return size_in_bytes(text)
@@ -198,7 +199,7 @@ def _cpu_devices(count: int) -> None:
 
 def _topology_devices(args, devices: list, what: str) -> list:
     """A topology's devices, with --devices checked against them (or set from them)."""
-    from zerojax.core.config import ZeroError
+    from zerojax.core.errors import ZeroError
 
     if getattr(args, "devices", len(devices)) != len(devices):
         raise ZeroError(
@@ -229,7 +230,7 @@ def _preset_workload(args) -> Workload:
     import jax.numpy as jnp
     import optax
 
-    from zerojax.core.config import ZeroError
+    from zerojax.core.errors import ZeroError
     from zerojax.models.gpt import lm_units, make_init, train_step
     from zerojax.models.lm import LM, LM_PRESETS
 
@@ -259,7 +260,7 @@ def _model_workload(args) -> Workload:
 
     import jax
 
-    from zerojax.core.config import ZeroError
+    from zerojax.core.errors import ZeroError
 
     preset_only = [
         flag

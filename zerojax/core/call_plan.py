@@ -15,12 +15,11 @@ import math
 from collections.abc import Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core.config import DTYPE_NAMES, ZeroConfig, ZeroError
-from zerojax.core.errors import warn
+from zerojax.core.errors import ZeroError, warn
+from zerojax.core.policy import UnitPolicy
 from zerojax.core.rules import PARAMS, StateLayout, key_name, path_str
 
 WHOLE, UNIT, OTHER = "whole", "unit", "other"  # a leaf's role in a call
@@ -82,14 +81,14 @@ class CallPlan:
         return {x.path: x.stored_ndim for x in self.leaves if x.role != OTHER}
 
 
-def dtype_of(option: str):
-    """The dtype a precision option names ('fp32', 'bf16', 'fp16')."""
-    return jnp.dtype(DTYPE_NAMES[option])
+@dataclasses.dataclass(frozen=True)
+class FoundUnits:
+    """The units an abstract trace of a call found: {unit path: ((leaf below the unit, ndim
+    its call sees), ...)}, and whether a stacked unit can be handed its layer index at stages
+    1-2 (Linen; NNX stacks are reduced with the whole step instead)."""
 
-
-def compute_dtype(cfg: ZeroConfig):
-    """The dtype parameters compute in inside the model, None when it is their own (fp32)."""
-    return dtype_of(cfg.precision) if cfg.uses_16bit else None
+    leaves: Mapping[str, tuple] = dataclasses.field(default_factory=dict)
+    stacks_indexable: bool = True
 
 
 def is_array(x) -> bool:
@@ -112,24 +111,21 @@ def with_values(flat: list, positions: list, values, tree):
 
 def plan_call(
     layout: StateLayout,
-    cfg: ZeroConfig,
+    policy: UnitPolicy,
     variables,
     arrays: list,
     batch_rows: set,
-    unit_leaves: Mapping[str, tuple] | None = None,
-    stacks_indexable: bool = True,
+    found: FoundUnits = FoundUnits(),
 ) -> CallPlan:
     """The plan of a call with `variables` (arrays or shape structs) and array arguments
-    `arrays`; `batch_rows` are the step's global batch sizes. `unit_leaves`: {unit path:
-    ((leaf below the unit, ndim its call sees), ...)} of the units found in the model (None
-    or empty: none). `stacks_indexable`: whether a stacked unit can be handed its layer index
-    at stages 1-2 (Linen; NNX stacks are reduced with the whole step instead)."""
+    `arrays`; `batch_rows` are the step's global batch sizes, `found` the units found in the
+    model (none by default)."""
     flat = jax.tree_util.tree_flatten_with_path(variables)[0]
     params = {path_str(p[1:]): np.shape(x) for p, x in flat if p and key_name(p[0]) == PARAMS}
-    layers = {u: _layer_dims(leaves, u, params) for u, leaves in (unit_leaves or {}).items()}
-    if not cfg.shards_parameters and not stacks_indexable:
+    layers = {u: _layer_dims(leaves, u, params) for u, leaves in found.leaves.items()}
+    if not policy.shards_parameters and not found.stacks_indexable:
         layers = {u: dims for u, dims in layers.items() if not dims}
-    dtype = compute_dtype(cfg)
+    dtype = policy.compute_dtype
     leaves = []
     for p, x in flat:
         if not (p and key_name(p[0]) == PARAMS):
@@ -141,7 +137,7 @@ def plan_call(
         if (
             unit is not None
             and plan is not None
-            and _whole_per_step(path, plan, x, layers[unit], cfg)
+            and _whole_per_step(path, plan, x, layers[unit], policy)
         ):
             unit = None  # gathered once per step with the whole parameters, not per layer
         leaves.append(
@@ -162,15 +158,15 @@ def plan_call(
             f"{sorted(batch_rows)}, so the model cannot be split per device. Pass batch "
             "arrays with the batch first, or use zero_shard(..., explicit_collectives=False)."
         )
-    in_place = bool(layers) and not cfg.shards_parameters
+    in_place = bool(layers) and not policy.shards_parameters
     return CallPlan(tuple(leaves), layers, in_place, tuple(batch))
 
 
-def _whole_per_step(path: str, plan, leaf, layer_dims: tuple, cfg: ZeroConfig) -> bool:
+def _whole_per_step(path: str, plan, leaf, layer_dims: tuple, policy: UnitPolicy) -> bool:
     """Whether a unit's stacked leaf is gathered (and reduced) once per step, whole, rather
     than layer by layer: its layers are small, or it is split on a layer dim (a stack whose
     shapes did not reveal it, `rules.stacked_params`), which no single layer can gather."""
-    if _small_layers(leaf, layer_dims, cfg):
+    if _small_layers(leaf, layer_dims, policy.persistence_threshold):
         return True
     if plan.split_dim is None or plan.split_dim >= len(layer_dims):
         return False
@@ -183,13 +179,13 @@ def _whole_per_step(path: str, plan, leaf, layer_dims: tuple, cfg: ZeroConfig) -
     return True
 
 
-def _small_layers(leaf, layer_dims: tuple, cfg: ZeroConfig) -> bool:
+def _small_layers(leaf, layer_dims: tuple, threshold: int) -> bool:
     """Whether a unit's stacked `leaf`, split at rest, is below the persistence threshold
     layer by layer: gathering it (stage 3) and reducing its gradient (stages 1-3) once per
     step beats a small collective per layer."""
     if not layer_dims:
         return False
-    return math.prod(np.shape(leaf)) // math.prod(layer_dims) < cfg.persistence_threshold
+    return math.prod(np.shape(leaf)) // math.prod(layer_dims) < threshold
 
 
 def _layer_dims(leaves: tuple, unit: str, stored: dict) -> tuple:

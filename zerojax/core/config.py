@@ -17,7 +17,7 @@ from zerojax.core.config_files import read_config
 from zerojax.core.errors import ZeroError, nearest
 from zerojax.deepspeed.reader import batch_sizes, choice, offload_device, options_from_deepspeed
 
-__all__ = ["ZeroConfig", "ZeroError", "resolve_config"]
+__all__ = ["ZeroConfig", "resolve_config"]
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # option -> dtype
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from zerojax.core.config import ZeroError
+from zerojax.core.errors import ZeroError
 
 
 def make_mesh(devices=None, axis: str = "data", *, local: int | None = None) -> Mesh:

@@ -21,8 +21,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from zerojax.core.config import ZeroConfig, ZeroError
-from zerojax.core.errors import warn
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ZeroError, warn
 
 PARAMS, OPT_STATE, OTHER = "params", "opt_state", "other"
 PER_DEVICE = "per_device"  # opt_state field of per-device buffers: (devices, *shape), split dim 0
@@ -126,41 +126,48 @@ def path_str(path) -> str:
 
 
 def split_spec(
-    shape,
-    axis: str | tuple[str, ...],
-    n: int,
-    cfg: ZeroConfig,
-    path: str = "",
-    user_rules: bool = True,
-    tensor: TensorSpec | None = None,
-    stacked: bool = False,
+    shape, n: int, cfg: ZeroConfig, path: str = "", tensor=None, stacked: bool = False
 ) -> tuple[P, str]:
-    """Spec for a leaf that this stage shards, and the reason for the choice. `tensor`, the
-    leaf's tensor-parallel axes (if the model declares any), stays in the spec; the ZeRO axis
-    goes on a dimension they leave free, else joins one of theirs when the split divides.
-    `stacked`: dim 0 is a stack's layers (`stacked_params`), split only when nothing else is."""
+    """Spec for a leaf that this stage shards over `cfg.axis` (`n` devices), and the reason
+    for the choice: the user's `rules` on `path` first, else the default rule. `tensor`, the
+    leaf's tensor-parallel `TensorSpec` (if the model declares any), stays in the spec; the
+    ZeRO axis goes on a dimension it leaves free, else joins one of its axes when the split
+    divides. `stacked`: dim 0 is a stack's layers (`stacked_params`), split only when nothing
+    else is."""
+    tensor = tensor or TensorSpec((None,) * len(shape), (1,) * len(shape))
+    return _rule_spec(shape, n, cfg, path, tensor) or _default_spec(shape, n, cfg, tensor, stacked)
+
+
+def _rule_spec(shape, n: int, cfg: ZeroConfig, path: str, tensor) -> tuple[P, str] | None:
+    """The spec the first of the user's `rules` matching `path` gives, None if none does."""
     ndim = len(shape)
-    tensor = tensor or TensorSpec((None,) * ndim, (1,) * ndim)
+    local = [size // div for size, div in zip(shape, tensor.divisors, strict=True)]
+    for pattern, dim in cfg.rules:
+        if not re.search(pattern, path):
+            continue
+        if dim is None:
+            return tensor.spec(), f"replicated: rule {pattern!r}"
+        if not -ndim <= dim < ndim:
+            raise ZeroError(
+                f"rule {pattern!r} splits dim {dim} of {path!r}, which has shape {tuple(shape)}."
+            )
+        dim %= ndim
+        if local[dim] % n:
+            raise ZeroError(
+                f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
+                f"{tuple(shape)}), which does not divide by {n} devices; "
+                "name another dim or None to replicate it."
+            )
+        return tensor.spec(dim, cfg.axis), f"sharded dim {dim} (rule {pattern!r})"
+    return None
+
+
+def _default_spec(shape, n: int, cfg: ZeroConfig, tensor, stacked: bool) -> tuple[P, str]:
+    """The default rule: the last dim that divides by `n` devices (dim 0 of a stack last),
+    nothing below the persistence threshold."""
+    ndim = len(shape)
     # the sizes each tensor-parallel shard has
     local = [size // div for size, div in zip(shape, tensor.divisors, strict=True)]
-    if user_rules:
-        for pattern, dim in cfg.rules:
-            if re.search(pattern, path):
-                if dim is None:
-                    return tensor.spec(), f"replicated: rule {pattern!r}"
-                if not -ndim <= dim < ndim:
-                    raise ZeroError(
-                        f"rule {pattern!r} splits dim {dim} of {path!r}, which "
-                        f"has shape {tuple(shape)}."
-                    )
-                dim %= ndim
-                if local[dim] % n:
-                    raise ZeroError(
-                        f"rule {pattern!r} splits dim {dim} of {path!r} (shape "
-                        f"{tuple(shape)}), which does not divide by {n} devices; "
-                        "name another dim or None to replicate it."
-                    )
-                return tensor.spec(dim, axis), f"sharded dim {dim} (rule {pattern!r})"
     if n == 1:
         return tensor.spec(), "replicated: one device"
     if math.prod(local) < cfg.persistence_threshold or ndim == 0:
@@ -178,7 +185,7 @@ def split_spec(
             f"; re-laid out around each collective: dim {first} ({local[first]}) does not "
             f"divide by {n}"
         )
-    return tensor.spec(dim, axis), f"sharded dim {dim}{why}"
+    return tensor.spec(dim, cfg.axis), f"sharded dim {dim}{why}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +213,27 @@ def category_of(path) -> str:
         return {0: PARAMS, 1: OPT_STATE}.get(path[0].idx, OTHER)
     head = key_name(path[0])
     return head if head in (PARAMS, OPT_STATE) else OTHER
+
+
+def _state_spec(path, leaf, param_specs: dict, cfg: ZeroConfig, n: int) -> tuple[P, str]:
+    """(spec, reason) of an optimizer-state leaf or another field's, once the parameters'
+    specs (`param_specs`) are known."""
+    cat = category_of(path)
+    if cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
+        return P(cfg.axis), "per-device buffer"
+    if cat == OPT_STATE:
+        tensor_only = not cfg.shards_optimizer_state
+        return _follow_param(path_str(path[1:]), leaf.shape, param_specs, cfg, n, tensor_only)
+    return _other_spec(path_str(path), leaf, param_specs, cfg, n)
+
+
+def _param_specs(leaf, sub: str, cfg: ZeroConfig, n: int, layout, stacks) -> tuple:
+    """(split spec, spec at rest, gradient spec, reason) of the parameter at `sub`."""
+    sharded, reason = split_spec(leaf.shape, n, cfg, sub, tensor=layout, stacked=sub in stacks)
+    whole = layout.spec() if layout else P()  # over the ZeRO axis
+    spec = sharded if cfg.shards_parameters else whole
+    grad = sharded if cfg.shards_optimizer_state else whole  # reduce-scattered
+    return sharded, spec, grad, reason
 
 
 def stage_splits(cfg: ZeroConfig, category: str, floating=False, mirrors=False) -> bool:
@@ -249,31 +277,15 @@ def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = Non
         if cat == PARAMS:
             sub = path_str(path[1:])
             layout = tensor.get(sub)
-            sharded, reason = split_spec(
-                leaf.shape, cfg.axis, axis_size, cfg, sub, tensor=layout, stacked=sub in stacks
-            )
+            sharded, spec, grad, reason = _param_specs(leaf, sub, cfg, axis_size, layout, stacks)
             param_specs[sub] = (tuple(leaf.shape), sharded, reason)
-            whole = layout.spec() if layout else P()  # over the ZeRO axis
-            spec = sharded if cfg.shards_parameters else whole
             if not cfg.shards_parameters:
                 reason = f"replicated: stage {cfg.stage} keeps parameters whole"
             if layout and any(layout.axes):
                 reason += f" (tensor axes {layout.spec()})"
             dim = split_dim(sharded, cfg.axis)
-            grad = sharded if cfg.shards_optimizer_state else whole  # reduce-scattered
-        elif cat == OPT_STATE and len(path) > 1 and key_name(path[1]) == PER_DEVICE:
-            spec, reason = P(cfg.axis), "per-device buffer"
-        elif cat == OPT_STATE:
-            spec, reason = _follow_param(
-                path_str(path[1:]),
-                leaf.shape,
-                param_specs,
-                cfg,
-                axis_size,
-                tensor_only=not cfg.shards_optimizer_state,
-            )
         else:
-            spec, reason = _other_spec(path_str(path), leaf, param_specs, cfg, axis_size)
+            spec, reason = _state_spec(path, leaf, param_specs, cfg, axis_size)
         meant = bool(leaf.shape) and stage_splits(
             cfg, cat, _floating(leaf), _mirrored(path_str(path), leaf.shape, param_specs)
         )
@@ -363,7 +375,7 @@ def _other_spec(path: str, leaf, param_specs: dict, cfg: ZeroConfig, n: int):
             return P(), f"replicated: rule {pattern!r}"
     if mirrored is not None:
         return param_specs[mirrored][1], f"{param_specs[mirrored][2]} (like params/{mirrored})"
-    return split_spec(leaf.shape, cfg.axis, n, cfg, path)
+    return split_spec(leaf.shape, n, cfg, path)
 
 
 def split_dim(spec: P, axis) -> int | None:
@@ -406,7 +418,8 @@ def _follow_param(
         return spec, reason
     if tensor_only:
         return P(), "replicated: stage 0"
-    return split_spec(shape, cfg.axis, n, cfg, path, user_rules=False)
+    whole = TensorSpec((None,) * len(shape), (1,) * len(shape))
+    return _default_spec(shape, n, cfg, whole, stacked=False)
 
 
 def _without(entry, axis):

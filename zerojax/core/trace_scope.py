@@ -26,7 +26,7 @@ class Scope:
     """The step's values seen by the callbacks of the code it traces."""
 
     said: set | None = None  # warnings a zero has given (`errors.once_per`)
-    update: Callable | None = None  # ZeroTx.update's managed update (`optim.updating`)
+    update: Callable | None = None  # ZeroTx.update's managed update (`managed.updating`)
     running_model: bool = False  # the per-device model is traced: its calls are not hooked
     gather: Any = None  # the stage-3 GatherContext of the per-device model (`flax.gather`)
     inside_unit: bool = False  # a unit's own modules run, on its gathered weights

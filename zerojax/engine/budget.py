@@ -14,7 +14,7 @@ import collections
 import dataclasses
 import re
 
-from zerojax.core.config import ZeroError
+from zerojax.core.errors import ZeroError
 from zerojax.core.rules import with_units
 from zerojax.engine.state import split_call
 
@@ -60,42 +60,40 @@ def budget_bytes(budget, device) -> int:
     return int(budget * limit)
 
 
-def fit_budget(zero, fn, args, call_options: dict):
-    """(the step of `fn` that fits zero.config.memory_budget, its BudgetChoice) for the call
-    `fn(*args)` (`call_options`: the step's batch_argnum and static_argnums). Raises ZeroError
-    when even stage 3 as is does not fit."""
-    cfg = zero.config
-    budget = budget_bytes(cfg.memory_budget, zero.mesh.devices.flat[0])
+def fit_budget(step, args: tuple):
+    """(the variant of the ZeroStep `step` that fits its memory_budget, its BudgetChoice) for
+    the call `step(*args)`, judged by compiling with the step's `fit(keep_gathered, args) ->
+    (step, report)`. Raises ZeroError when even stage 3 as is does not fit."""
+    config = step.placement.config
+    budget = budget_bytes(config.memory_budget, step.placement.mesh.devices.flat[0])
     compiles = 0
 
     def compiled(keep):
         nonlocal compiles
         compiles += 1
-        variant = type(zero)(cfg.replace(memory_budget=0, keep_gathered=keep), zero.mesh)
-        step = variant(fn, **call_options)
-        return step, variant.report(step, *args)
+        return step._fit(keep, args)
 
     plain, report = compiled(())
     if report.peak_bytes > budget:
         raise ZeroError(
             f"memory_budget {_mib(budget)} is below the least this step needs at stage "
-            f"{cfg.stage}: a compiled peak of {_mib(report.peak_bytes)} ({report.peak_bytes:,} "
+            f"{config.stage}: a compiled peak of {_mib(report.peak_bytes)} ({report.peak_bytes:,} "
             "bytes) per device. Raise the budget to at least that, lower the batch or "
             "sequence length, or offload (offload_optimizer / offload_param)."
         )
-    order = _by_gathered_bytes(zero, plain, args) if cfg.shards_parameters else []
+    order = _by_gathered_bytes(step.layout, plain, args) if config.shards_parameters else []
     best, lo, hi = (plain, report, 0), 0, len(order)
     while lo < hi:  # the most units kept whose peak fits (a peak grows with what is kept)
         mid = (lo + hi + 1) // 2
-        step, rep = compiled(tuple(re.escape(u) for u in order[:mid]))
+        trial, rep = compiled(tuple(re.escape(u) for u in order[:mid]))
         if rep.peak_bytes <= budget:
-            best, lo = (step, rep, mid), mid
+            best, lo = (trial, rep, mid), mid
         else:
             hi = mid - 1
-    step, rep, k = best
+    chosen, rep, k = best
     if rep.sent_bytes >= report.sent_bytes:  # memory spent for nothing (e.g. the model's own
-        step, rep, k = plain, report, 0  # remat re-runs the forward's gathers in backward)
-    return step, BudgetChoice(
+        chosen, rep, k = plain, report, 0  # remat re-runs the forward's gathers in backward)
+    return chosen, BudgetChoice(
         budget_bytes=budget,
         minimal_peak_bytes=report.peak_bytes,
         kept=tuple(order[:k]),
@@ -106,11 +104,11 @@ def fit_budget(zero, fn, args, call_options: dict):
     )
 
 
-def _by_gathered_bytes(zero, step, args) -> list:
+def _by_gathered_bytes(layout, step, args) -> list:
     """The step's units, those whose split weights are largest (their gathers move the most
-    bytes) first."""
+    bytes) first; `layout(tree)`: the state's StateLayout."""
     tree = split_call(args, step.batch_argnum, step.static_argnums).state.tree
-    plans = with_units(list(zero.layout(tree).plans), step.units_of(*args))
+    plans = with_units(list(layout(tree).plans), step.units_of(*args))
     cost: collections.Counter[str] = collections.Counter()
     for plan in plans:
         if plan.unit is not None and plan.split_dim is not None:

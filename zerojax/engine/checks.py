@@ -5,7 +5,9 @@ with a ZeroError that says what to write instead (docs/errors.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import re
 
 import jax
 
@@ -97,3 +99,52 @@ def check_init_fn(init_fn, args, kwargs) -> None:
             f"{len(args)} positional and {len(kwargs)} keyword arguments do not fit: {e}. "
             "E.g. zero.init(init_fn, jax.random.key(0))."
         ) from None
+
+
+@contextlib.contextmanager
+def pmap_collectives_named(fn, mesh_axes: tuple):
+    """A step or model written for `jax.pmap` (a `lax.pmean` over its axis name, as Flax's
+    imagenet example's step; a layer given `axis_name=`, as its BatchNorm) fails with a
+    ZeroError saying what to change, not jax's unbound-axis NameError (outside the per-device
+    model) or its bare AssertionError (inside it, on an axis the mesh does not have)."""
+    try:
+        yield
+    except NameError as e:
+        match = re.search(r"unbound axis name: (\S+?)\.", str(e))
+        if match is None:
+            raise
+        raise ZeroError(
+            f"{getattr(fn, '__name__', 'the step')} reduces over the axis {match[1]!r} "
+            "(lax.pmean / lax.psum), as a step written for jax.pmap does. A zerojax step is "
+            "one program over the global batch whose gradients zerojax reduces, as under "
+            "jax.jit: remove the collective (its gradients and metrics are global already)."
+        ) from None
+    except AssertionError as e:
+        missing = _axes_not_in_mesh(e, mesh_axes)
+        if not missing:
+            raise
+        raise ZeroError(
+            f"the model reduces over the axis {missing[0]!r}, which the mesh does not have: "
+            "a layer given axis_name= for jax.pmap, as Flax's BatchNorm(axis_name='batch') in "
+            "its imagenet example. The model runs once per device on zerojax's data axis: name "
+            f"that axis after the layer's, zero_shard(..., axis={missing[0]!r}), and it reduces "
+            "over all devices as under jax.pmap (or drop axis_name= to keep each device's own)."
+        ) from None
+
+
+def _axes_not_in_mesh(error: AssertionError, mesh_axes: tuple) -> list:
+    """The axis names not in `mesh_axes` that the innermost frame naming an `axis_name` (a
+    collective's caller: Flax's normalisation layers, a user's `lax.pmean(x, axis_name)`)
+    passed, when jax's assertion failed under it; empty when none does (another assertion).
+    JAX drops its own frames from the traceback, so the caller's are what is left to read."""
+    frames = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        name = frame.f_locals.get("axis_name")
+        names = (name,) if isinstance(name, str) else name
+        if isinstance(names, tuple) and all(isinstance(n, str) for n in names):
+            return [n for n in names if n not in mesh_axes]
+    return []

@@ -16,9 +16,9 @@ calls here.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -34,31 +34,18 @@ from zerojax.core.call_plan import (
     WHOLE,
     ApplyHookError,
     CallPlan,
-    compute_dtype,
-    dtype_of,
+    FoundUnits,
     is_array,
     on_batch,
     plan_call,
     with_values,
 )
-from zerojax.core.config import ZeroConfig
 from zerojax.core.errors import warn
+from zerojax.core.policy import UnitPolicy
 from zerojax.core.rules import PARAMS, StateLayout, key_name
-from zerojax.core.trace_scope import current, fresh_traces, scoped
+from zerojax.core.trace_scope import fresh_traces, scoped
 from zerojax.flax.gather import LAYER, GatherContext
 from zerojax.flax.units import discovering, running_units, select_units
-
-
-def running_model() -> bool:
-    """Whether the per-device model is being traced (its own module calls are not hooked)."""
-    return current().running_model
-
-
-@contextlib.contextmanager
-def model_running():
-    """Inside, `running_model()` is true."""
-    with scoped(running_model=True):
-        yield
 
 
 @dataclasses.dataclass
@@ -80,26 +67,29 @@ class TraceLog:
         return tuple(sorted(frozenset().union(*self.calls)))
 
 
-def hooked_apply_fn(
-    apply_fn,
-    mesh,
-    comm: Comm,
-    cfg: ZeroConfig,
-    layout: StateLayout,
-    batch_rows: set,
-    log: TraceLog,
-    scale=None,
-    stateful: bool | None = None,
-):
-    """`apply_fn` with explicit collectives over `comm`'s axes; `layout` is the state's (each
-    parameter's storage and gradient spec), `batch_rows` holds the global batch sizes (leading
-    dims of the step's batch leaves), each call notes its stage-3 units in `log`, and
-    `scale` is the fp16 loss scale (None without loss scaling). `stateful`: whether `apply_fn`
-    returns `(outputs, written state)`; None reads it from a Linen call's `mutable=` and
-    `capture_intermediates=` (and takes its `rngs=` as the keys each device folds). Each call
-    is planned from shapes (`zerojax.core.call_plan`) and run per device by a `Runner`. See
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where one traced step's model calls run: the mesh and the axes of its collectives,
+    what a unit run reads of the options, the state's layout (each parameter's storage and
+    gradient spec), the step's global batch sizes (leading dims of its batch leaves) and the
+    log each call notes its stage-3 units in."""
+
+    mesh: Any
+    comm: Comm
+    policy: UnitPolicy
+    layout: StateLayout
+    batch_rows: frozenset
+    log: TraceLog
+
+
+def hooked_apply_fn(apply_fn, site: Site, scale=None, stateful: bool | None = None):
+    """`apply_fn` with explicit collectives over `site`'s axes; `scale` is the fp16 loss scale
+    (None without loss scaling). `stateful`: whether `apply_fn` returns `(outputs, written
+    state)`; None reads it from a Linen call's `mutable=` and `capture_intermediates=` (and
+    takes its `rngs=` as the keys each device folds). Each call is planned from shapes
+    (`zerojax.core.call_plan`) and run per device by a `Runner`. See
     `zerojax.comm.device_values` for what each device draws and how written state becomes one."""
-    linen = stateful is None
+    linen, policy = stateful is None, site.policy
 
     def apply(variables, *args, **kwargs):
         returns_state = _linen_stateful(kwargs) if linen else stateful
@@ -107,25 +97,24 @@ def hooked_apply_fn(
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if is_array(x)]
         found = {}
-        if cfg.uses_units:
+        if policy.uses_units:
             keys = {} if rngs is None else {"rngs": rngs}
-            per_device = lambda body, values: manual_over_data(
-                body, mesh, comm, (P(), [_rows_spec(x, batch_rows, comm) for x in values]), P()
-            )
-            found = _units(apply_fn, variables, args, {**kwargs, **keys}, cfg, per_device)
+            found = _units(apply_fn, variables, (args, {**kwargs, **keys}), site, policy.units)
         unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
         values = tuple(flat[i] for i in dynamic)
-        plan = plan_call(layout, cfg, variables, list(values), batch_rows, unit_leaves, linen)
-        log.calls.append(frozenset(plan.units))
-        if comm.secondary and not plan.where(UNIT):
+        plan = plan_call(
+            site.layout, policy, variables, list(values), site.batch_rows,
+            FoundUnits(unit_leaves, linen),
+        )  # fmt: skip
+        site.log.calls.append(frozenset(plan.units))
+        if site.comm.secondary and not plan.where(UNIT):
             warn(
                 "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
                 "units, so its parameters are gathered once per step and kept for backward "
                 "(no backward gather to keep inside the node). Name its blocks with units=."
             )
-        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
-        run = Runner(plan, model, mesh, comm, cfg, batch_rows, returns_state)
-        out = run(variables, rngs, values, scale)
+        model = _model(apply_fn, flat, dynamic, in_tree, policy.offload_activations)
+        out = Runner(plan, model, site, returns_state)(variables, rngs, values, scale)
         if not returns_state:
             return out if scale is None else scale_cotangent(out, scale)
         out, written = out
@@ -143,14 +132,11 @@ class Runner:
 
     plan: CallPlan
     model: object  # model(variables, array args, extra kwargs)
-    mesh: object
-    comm: Comm
-    cfg: ZeroConfig
-    batch_rows: set
+    site: Site
     returns_state: bool
 
     def __call__(self, variables, rngs, values: tuple, scale):
-        plan, comm = self.plan, self.comm
+        plan, comm, mesh = self.plan, self.site.comm, self.site.mesh
         leaves = jax.tree_util.tree_leaves(variables)
         whole, units = plan.where(WHOLE), plan.where(UNIT)
         pick = lambda idx, field: tuple(getattr(plan.leaves[i], field) for i in idx)
@@ -159,11 +145,11 @@ class Runner:
             scale,
             pick(whole, "store"),
             pick(whole, "grad"),
-            self.mesh,
+            mesh,
             comm,
             (
                 pick(whole, "compute_dtype"),
-                dtype_of(self.cfg.grad_reduce_dtype),
+                self.site.policy.reduce_dtype,
                 tuple(leaves[i].dtype for i in whole),
             ),
         )
@@ -176,10 +162,12 @@ class Runner:
         batch = P(comm.data_axis)
         out_specs = (batch, P()) if self.returns_state else batch
         in_specs = (
-            tuple(batch for _ in whole),
-            pick(units, "grad" if plan.in_place else "store"),
-            pick(plan.split_in_place, "store"),
-            P(),
+            (
+                tuple(batch for _ in whole),
+                pick(units, "grad" if plan.in_place else "store"),
+                pick(plan.split_in_place, "store"),
+                P(),
+            ),
             P(),
             tuple(batch if b else P() for b in plan.batch_args),
             P(),
@@ -187,14 +175,17 @@ class Runner:
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
         other_paths = [paths[i] for i in plan.where(OTHER)]  # to match the state written
         body = functools.partial(self.body, jax.tree_util.tree_structure(variables), other_paths)
-        return manual_over_data(body, self.mesh, comm, in_specs, out_specs)(
-            copies, shards, wholes, others, rngs, values, scale
+        return manual_over_data(body, mesh, comm, in_specs, out_specs)(
+            (copies, shards, wholes, others), rngs, values, scale
         )
 
-    def body(self, var_tree, other_paths, copies, shards, wholes, others, rngs, values, scale):
-        """The model on this device's rows, with its parameters as the plan says."""
-        plan, axis = self.plan, self.comm.data_axis
-        local_rows = {r // self.comm.data_size for r in self.batch_rows}
+    def body(self, var_tree, other_paths, entering, rngs, values, scale):
+        """The model on this device's rows, with its parameters as the plan says: `entering`
+        holds the whole parameters' copies, the units' leaves, stages 1-2's whole weights
+        beside them and the other state."""
+        plan, axis = self.plan, self.site.comm.data_axis
+        copies, shards, wholes, others = entering
+        local_rows = {r // self.site.comm.data_size for r in self.site.batch_rows}
         entering = {
             WHOLE: (c[0] for c in copies),
             UNIT: iter(shards),
@@ -228,8 +219,8 @@ class Runner:
     def gather_context(self, scale, whole) -> GatherContext:
         """What the units of this call need to gather (or, `whole`, to reduce in place)."""
         return GatherContext(
-            comm=self.comm,
-            config=self.cfg,
+            comm=self.site.comm,
+            policy=self.site.policy,
             units=frozenset(self.plan.units),
             split_dims=self.plan.split_dims,
             stored_ndim=self.plan.stored_ndim,
@@ -238,10 +229,10 @@ class Runner:
         )
 
 
-def _compute_dtypes(variables, cfg: ZeroConfig) -> tuple:
-    """Per leaf: the 16-bit compute dtype for parameters, None (keep) for everything else."""
+def _compute_dtypes(variables, dtype) -> tuple:
+    """Per leaf: the 16-bit compute `dtype` for parameters, None (keep) for everything else."""
     return tuple(
-        compute_dtype(cfg) if path and key_name(path[0]) == PARAMS else None
+        dtype if path and key_name(path[0]) == PARAMS else None
         for path, _ in jax.tree_util.tree_flatten_with_path(variables)[0]
     )
 
@@ -276,7 +267,7 @@ def _model(apply_fn, flat: list, positions: list, tree, offload_activations: boo
 
     def model(variables, values, extra=None):
         args, kwargs = with_values(flat, positions, values, tree)
-        with model_running(), fresh_traces():  # its own module calls are not hooked again
+        with scoped(running_model=True), fresh_traces():  # its module calls: not hooked again
             return apply_fn(variables, *args, **kwargs, **(extra or {}))
 
     return jax.checkpoint(model, policy=activation_policy()) if offload_activations else model
@@ -299,26 +290,28 @@ def _with_layer_index(variables, layers: dict):
     return {**variables, PARAMS: params}
 
 
-def _units(apply_fn, variables, args, kwargs, cfg: ZeroConfig, per_device) -> dict:
-    """{path: ModuleCall} of the modules gathered as units (`flax.units`), from an abstract
-    trace of the model that records its module calls, run per device as the model runs
-    (`per_device(body, batch_args)`: a collective the model itself runs over the data axes,
-    such as `nn.BatchNorm(axis_name=...)` naming the mesh's axis, is bound there too)."""
-    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+def _units(apply_fn, variables, call: tuple, site: Site, selected) -> dict:
+    """{path: ModuleCall} of the modules gathered as units (`flax.units`; `selected`: the
+    `units` option), from an abstract trace of the model's `call` (`(args, kwargs)`) that
+    records its module calls, run per device as the model runs (a collective the model itself
+    runs over the data axes, such as `nn.BatchNorm(axis_name=...)` naming the mesh's axis, is
+    bound there too)."""
+    flat, tree = jax.tree_util.tree_flatten(call)
     arrays = [i for i, x in enumerate(flat) if is_array(x)]
     run = _model(apply_fn, flat, arrays, tree, offload_activations=False)
     shape = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)
     body = lambda variables, values: (run(variables, values), ())[1]  # the calls, not outputs
+    in_specs = (P(), [_rows_spec(flat[i], site.batch_rows, site.comm) for i in arrays])
     with discovering() as found:
         jax.eval_shape(
-            per_device(body, [flat[i] for i in arrays]),
+            manual_over_data(body, site.mesh, site.comm, in_specs, P()),
             jax.tree_util.tree_map(shape, variables),
             [shape(flat[i]) for i in arrays],
         )
-    return {u: found[u] for u in sorted(select_units(found, cfg.units))}
+    return {u: found[u] for u in sorted(select_units(found, selected))}
 
 
-def local_apply_fn(apply_fn, cfg: ZeroConfig, log: TraceLog, axis, local_rows: set, scale=None):
+def local_apply_fn(apply_fn, policy: UnitPolicy, log: TraceLog, axis, local_rows: set, scale=None):
     """`apply_fn` for steps that already run per device (over the data axes `axis`, on
     batches of `local_rows` rows): compute-dtype casts and loss scaling, each device's own RNG
     stream and written state combined (`zerojax.comm.device_values`), no gradient collectives (the
@@ -331,11 +324,13 @@ def local_apply_fn(apply_fn, cfg: ZeroConfig, log: TraceLog, axis, local_rows: s
             kwargs["rngs"] = fold_keys(_rngs_dict(rngs), axis, raw=True)
         leaves, var_tree = jax.tree_util.tree_flatten(variables)
         copies = compute_copies(
-            tuple(leaves), scale, (_compute_dtypes(variables, cfg), tuple(x.dtype for x in leaves))
+            tuple(leaves),
+            scale,
+            (_compute_dtypes(variables, policy.compute_dtype), tuple(x.dtype for x in leaves)),
         )
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if is_array(x)]
-        model = _model(apply_fn, flat, dynamic, in_tree, cfg.offload_activations)
+        model = _model(apply_fn, flat, dynamic, in_tree, policy.offload_activations)
         out = model(
             jax.tree_util.tree_unflatten(var_tree, list(copies)), tuple(flat[i] for i in dynamic)
         )

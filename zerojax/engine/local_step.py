@@ -1,7 +1,6 @@
 """Local gradient accumulation (stages 0-2, k > 1): the whole step runs per device, as under
 DDP's `no_sync`: each device sums its own gradients, and only the k-th micro-batch reduces them,
-once, before the managed update (`step.ZeroStep._traced_local` runs `local_body` in
-`shard_map`).
+once, before the managed update (`traced.traced_local` runs `local_body` in `shard_map`).
 """
 
 from __future__ import annotations
@@ -11,40 +10,40 @@ import jax.numpy as jnp
 
 from zerojax.comm.device_values import device_mean, from_device_0
 from zerojax.comm.hierarchy import reduce_gradient
-from zerojax.core.call_plan import dtype_of
 from zerojax.core.rules import OPT_STATE, PARAMS, category_of, split_dim
 from zerojax.engine.hook import local_apply_fn
-from zerojax.engine.optim import capture_gradients, cast_floating
 from zerojax.engine.outputs import one_capture, split_output
+from zerojax.engine.variant import Variant
+from zerojax.update.managed import capture_gradients
+from zerojax.update.transforms import cast_floating
 
 
-def local_body(fn, cfg, comm, param_grad_specs, log, micro, state, batch, extra):
-    """The user's step `fn` on this device's slice of the batch, summing its own gradients into
-    the `per_device` buffer; unless `micro`, the sums are reduced once (mean over devices, as
-    DDP) into the stage's gradient layout. Returns (new state, reduced gradients or (),
-    the step's other outputs averaged over devices)."""
+def local_body(v: Variant, param_grad_specs, state, batch, extra):
+    """The variant's step on this device's slice of the batch, summing its own gradients into
+    the `per_device` buffer; unless a micro-batch, the sums are reduced once (mean over
+    devices, as DDP) into the stage's gradient layout (`param_grad_specs`). Returns (new
+    state, reduced gradients or (), the step's other outputs averaged over devices)."""
+    comm = v.placement.comm
     axis, n = comm.data_axis, comm.data_size
     original = state.apply_fn
-    scale = state.opt_state.scale if cfg.scales_loss else None
-    view = state.replace(
-        params=cast_floating(state.params, jnp.float32),
-        apply_fn=local_apply_fn(original, cfg, log, axis, local_rows(batch), scale),
-    )
+    scale = state.opt_state.scale if v.update.scales_loss else None
+    apply = local_apply_fn(original, v.placement.unit, v.log, axis, local_rows(batch), scale)
+    view = state.replace(params=cast_floating(state.params, jnp.float32), apply_fn=apply)
     with capture_gradients() as sink:
-        out = fn((view,), batch, *extra)
+        out = v.fn((view,), batch, *extra)
     grads = one_capture(sink)
     new_state, rest = split_output(out, state)
     opt = state.opt_state
     sums = jax.tree_util.tree_map(lambda a, g: a + g[None].astype(a.dtype), opt.per_device, grads)
     reduced = ()
-    if not micro:  # one reduction per optimizer step; the mean over devices, as DDP
+    if not v.micro:  # one reduction per optimizer step; the mean over devices, as DDP
         reduced = jax.tree_util.tree_map(
             lambda s, spec: (
                 reduce_gradient(
                     s[0],
                     split_dim(spec, comm.shard_axis),
                     comm,
-                    dtype_of(cfg.grad_reduce_dtype),
+                    v.placement.unit.reduce_dtype,
                 ).astype(jnp.float32)
                 / n
             ),

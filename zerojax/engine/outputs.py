@@ -8,8 +8,8 @@ from __future__ import annotations
 import jax
 
 from zerojax.comm.offload import to_storage
-from zerojax.core.config import ZeroError
-from zerojax.engine.optim import update_metrics
+from zerojax.core.errors import ZeroError
+from zerojax.update.managed import update_metrics
 
 
 def one_capture(sink):

@@ -16,10 +16,12 @@ from typing import Any
 
 import jax
 
-from zerojax.core.config import ZeroConfig, ZeroError
-from zerojax.engine.optim import prepare_state
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ZeroError
+from zerojax.core.policy import UpdatePolicy
 from zerojax.flax.nnx import NnxLayout, is_nnx_object
 from zerojax.flax.nnx_managed import manage_objects
+from zerojax.update.managed import prepare_state
 
 
 def _is_objects(x) -> bool:
@@ -41,7 +43,7 @@ class Boundary:
 
     def tensor_specs(self, mesh, cfg: ZeroConfig) -> dict:
         """{parameter path: TensorSpec} the NNX variables' sharding metadata declares (a
-        pytree state's Linen boxes and shardings are read by `ZeroShard`)."""
+        pytree state's Linen boxes and shardings are read by the API's `zero.layout`)."""
         if self.objects is None:
             return {}
         return self.objects.tensor_specs(mesh, cfg)
@@ -61,16 +63,16 @@ def boundary(x) -> Boundary:
     return Boundary(layout.state, rebuild, layout)
 
 
-def managed(user: Boundary, tree, cfg: ZeroConfig, axis_size: int) -> Boundary:
-    """The boundary of the state `user` rebuilds from `tree`, as `cfg` trains it: with
+def managed(user: Boundary, tree, policy: UpdatePolicy, axis_size: int) -> Boundary:
+    """The boundary of the state `user` rebuilds from `tree`, as `policy` trains it: with
     precision, accumulation or clipping on, 16-bit params with master weights and buffers
-    (`optim.prepare_state`; NNX objects: `flax.nnx_managed`). Run it under a trace."""
-    if not cfg.manages_update:
+    (`managed.prepare_state`; NNX objects: `flax.nnx_managed`). Run it under a trace."""
+    if not policy.manages:
         return dataclasses.replace(user, tree=tree)
     if user.objects is None:
-        return Boundary(prepare_state(tree, cfg, axis_size), user.rebuild)
+        return Boundary(prepare_state(tree, policy, axis_size), user.rebuild)
     objs = user.rebuild(tree)  # new objects, managed in place
-    manage_objects(objs if isinstance(objs, tuple) else (objs,), cfg, axis_size)
+    manage_objects(objs if isinstance(objs, tuple) else (objs,), policy, axis_size)
     return boundary(objs)
 
 

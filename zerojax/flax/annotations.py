@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax
 from jax.sharding import NamedSharding
 
-from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ZeroError
 from zerojax.core.rules import PARAMS, TensorSpec, category_of, path_str, spec_entry, spec_names
 
 

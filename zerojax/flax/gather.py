@@ -32,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +52,8 @@ from zerojax.comm.hierarchy import (
     secondary_shard,
     vary_over_replicas,
 )
-from zerojax.core.call_plan import compute_dtype, dtype_of, is_array, with_values
-from zerojax.core.config import ZeroConfig
+from zerojax.core.call_plan import is_array, with_values
+from zerojax.core.policy import UnitPolicy
 from zerojax.core.rules import spec_names
 from zerojax.core.trace_scope import current, scoped
 
@@ -63,7 +65,7 @@ class GatherContext:
     """What a unit needs inside a step's per-device body."""
 
     comm: Comm | None  # axes of the gathers and reduce-scatters (None: discovery only)
-    config: ZeroConfig  # prefetch, recompute_units, keep_gathered, offload_*
+    policy: UnitPolicy  # prefetch, recompute_units, keep_gathered, dtypes, offload_activations
     split_dims: dict = dataclasses.field(default_factory=dict)  # parameter path -> dim or None
     stored_ndim: dict = dataclasses.field(default_factory=dict)  # path -> ndim stored (scanned)
     scale: object = None  # fp16 loss scale (the cotangent arrives multiplied by it)
@@ -74,12 +76,12 @@ class GatherContext:
     @property
     def compute_dtype(self):
         """The dtype units compute in (None: the stored one)."""
-        return compute_dtype(self.config)
+        return self.policy.compute_dtype
 
     @property
     def reduce_dtype(self):
-        """The dtype a unit's gradient is reduce-scattered in."""
-        return dtype_of(self.config.grad_reduce_dtype)
+        """The dtype gradients are reduced in."""
+        return self.policy.reduce_dtype
 
 
 @contextlib.contextmanager
@@ -124,7 +126,7 @@ def gather_unit(module, method: str, args, kwargs):
     extra = ({c: v for c, v in module.variables.items() if c != "params"}, dict(scope.rngs))
     params = dict(module.variables["params"])
     layer = params.pop(LAYER, None)  # stages 1-2: which layer of a stack this call is
-    out, written = run_unit("/".join(module.path), params, apply, extra, args, kwargs, layer)
+    out, written = run_unit("/".join(module.path), params, apply, extra, (args, kwargs), layer)
     _merge_counters(scope.rng_counters, after[0])  # as if the module had run bound
     for col, tree in written.items():
         for name, value in tree.items() if col != "params" else ():
@@ -147,11 +149,11 @@ def _merge_counters(into: dict, counters: dict) -> None:
             into[key] = value
 
 
-def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
+def run_unit(prefix: str, shards, apply, extra, call: tuple, layer=None):
     """`apply(params, extra, args, kwargs) -> (outputs, written state)` run as the stage-3 unit
     at path `prefix` whose parameters (`shards`, a pytree of this device's shards keyed below
     `prefix`) are gathered only while it runs; `extra` holds what else it reads (other
-    collections, RNG keys), passed through undifferentiated. `args` and `kwargs` are the
+    collections, RNG keys), passed through undifferentiated. `call`, `(args, kwargs)`, is the
     module's call as written: their arrays are differentiated (floats) or passed through
     (integers, bools, keys), everything else stays a Python value. Linen's and NNX's units
     both run through here."""
@@ -161,7 +163,7 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
     # the call's arrays (any pytree, by position or keyword) enter the custom VJP as its
     # inputs; every other value (a `train: bool`, a string, None, a dataclass, a callable) is
     # closed over as the module would see it called plainly: static, never traced
-    flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+    flat, tree = jax.tree_util.tree_flatten(call)
     arrays = [i for i, x in enumerate(flat) if is_array(x)]
 
     def inside(params, extra, values):
@@ -182,9 +184,9 @@ def run_unit(prefix: str, shards, apply, extra, args, kwargs, layer=None):
             lambda p, x: stacks.get(_full_path(prefix, p), x), shards
         )
         whole = (whole, layer)
-    keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.config.keep_gathered)
+    keep = whole is None and any(re.fullmatch(r, prefix) for r in ctx.policy.keep_gathered)
     values = [flat[i] for i in arrays]
-    return layer_call(inside, dims, ctx, shards, extra, values, scanned, whole, keep)
+    return LayerCall(inside, dims, ctx, scanned, keep)(shards, extra, values, whole)
 
 
 def _layer_slice(stack, leaf, layer):
@@ -255,7 +257,7 @@ def _anchor(ctx, direction: str, own, scanned: bool):
     inside a scanned body, nothing: each gather reads only its stored shard, free to run while
     the body's earlier modules compute (or, moved by XLA's pipeliner, the previous iteration).
     Records `own` for the next module in `direction`."""
-    if ctx.config.prefetch == 0:
+    if ctx.policy.prefetch == 0:
         return own
     if scanned:
         return None
@@ -439,57 +441,60 @@ def _forward_saving_activations(apply, params, extra, args):
     return (out, state), (treedef, slots, saved)
 
 
-def layer_call(apply, dims, ctx, shards, extra, args, scanned=False, whole=None, keep=False):
+@dataclasses.dataclass(frozen=True)
+class LayerCall:
     """`apply(gathered params, extra, args) -> (outputs, written state)` with the memory
     behaviour of the module docstring; backward recomputes it with the same `extra` (the same
-    RNG keys, so the same dropout masks). `keep`: the gathered weights stay alive from forward
-    to backward (`keep_gathered`), which then gathers nothing."""
-    hpz = ctx.comm.secondary is not None
-    gathers = whole is None  # stages 1-2 use the step's whole weights: no gather to order
+    RNG keys, so the same dropout masks). `dims`: each leaf's split dim (-1: whole); `keep`:
+    the gathered weights stay alive from forward to backward (`keep_gathered`), which then
+    gathers nothing. `saved_layout` (filled by forward, read by backward, which runs later in
+    the same trace): the residuals' structure and where the weights go among them."""
 
-    @jax.custom_vjp
-    def run(shards, whole, args, extra, anchor, scale):
-        return apply(_weights(shards, dims, ctx, whole, anchor), extra, args)
+    apply: Callable
+    dims: Any
+    ctx: GatherContext
+    scanned: bool = False
+    keep: bool = False
+    saved_layout: dict = dataclasses.field(default_factory=dict)
 
-    saved_layout = {}  # recompute=False: the residuals' structure and where the weights go
+    def __call__(self, shards, extra, args, whole=None):
+        """The unit on this device's `shards` (stage 3) or, `whole`, the step's whole weights
+        and the layer index (stages 1-2, nothing gathered)."""
+        run = jax.custom_vjp(self._plain)
+        run.defvjp(self._fwd, self._bwd)
+        shards = _per_device(shards, self.dims, self.ctx)
+        gathers = whole is None  # stages 1-2 use the step's whole weights: no gather to order
+        anchor = _scalar(_anchor(self.ctx, "fwd", args, self.scanned)) if gathers else None
+        return run(shards, whole, args, extra, anchor, self.ctx.scale)
 
-    def fwd(shards, whole, args, extra, anchor, scale):
-        params = _weights(shards, dims, ctx, whole, anchor)
-        secondary = _secondary(params, dims, ctx) if hpz and not keep else []
-        if keep:  # the gathered weights themselves are backward's, nothing to gather again
+    def _plain(self, shards, whole, args, extra, anchor, scale):
+        return self.apply(_weights(shards, self.dims, self.ctx, whole, anchor), extra, args)
+
+    def _fwd(self, shards, whole, args, extra, anchor, scale):
+        ctx, apply = self.ctx, self.apply
+        params = _weights(shards, self.dims, ctx, whole, anchor)
+        hpz = ctx.comm.secondary is not None
+        secondary = _secondary(params, self.dims, ctx) if hpz and not self.keep else []
+        if self.keep:  # the gathered weights themselves are backward's, nothing to gather again
             whole = params
-        if ctx.config.recompute_units:
+        if ctx.policy.recompute_units:
             out, saved = apply(params, extra, args), args
         else:
             out, saved = _forward_saving_activations(apply, params, extra, args)
-            saved_layout["treedef"], saved_layout["slots"], saved = saved
-        if ctx.config.offload_activations:
+            self.saved_layout["treedef"], self.saved_layout["slots"], saved = saved
+        if ctx.policy.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Host)
         return out, (shards, whole, secondary, saved, extra, anchor, scale)
 
-    def bwd(res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
+    def _bwd(self, res, ct):  # the loss scale arrives as a residual: bwd runs in another trace
         shards, whole, secondary, saved, extra, anchor, scale = res
         ct = ct[0]  # the written state is not differentiated
-        if ctx.config.offload_activations:
+        if self.ctx.policy.offload_activations:
             saved = _to_memory(saved, jax.memory.Space.Device)
-        wait = _scalar(_anchor(ctx, "bwd", ct, scanned)) if gathers else None
-        if keep:
-            params = whole
-        elif hpz:
-            params = _from_secondary(_depend(secondary, wait), shards, dims, ctx)
-        else:
-            params = _weights(shards, dims, ctx, whole, wait)
-        if ctx.config.recompute_units:
-            _, vjp = jax.vjp(lambda p, a: apply(p, extra, a)[0], params, saved)
-        else:  # the saved activations, with the weights gathered again where they were used
-            weights = jax.tree_util.tree_leaves(params)
-            found = iter(saved)
-            leaves = [next(found) if s is None else weights[s] for s in saved_layout["slots"]]
-            vjp = jax.tree_util.tree_unflatten(saved_layout["treedef"], leaves)
-        dparams, dargs = vjp(ct)
+        dparams, dargs = self._backward_vjp(self._weights_again(res, ct), saved, extra)(ct)
         zero = lambda x: None if x is None else jnp.zeros_like(x)
         return (
-            _scatter(dparams, dims, shards, ctx, scale),
+            _scatter(dparams, self.dims, shards, self.ctx, scale),
             None,  # the whole weights are the step's copy, not differentiated here
             dargs,
             jax.tree_util.tree_map(_no_cotangent, extra),
@@ -497,7 +502,25 @@ def layer_call(apply, dims, ctx, shards, extra, args, scanned=False, whole=None,
             zero(scale),
         )
 
-    run.defvjp(fwd, bwd)
-    shards = _per_device(shards, dims, ctx)
-    anchor = _scalar(_anchor(ctx, "fwd", args, scanned)) if gathers else None
-    return run(shards, whole, args, extra, anchor, ctx.scale)
+    def _weights_again(self, res, ct):
+        """Backward's weights: kept from forward, re-gathered in the node (hpZ), gathered
+        again, or (stages 1-2) the step's whole weights."""
+        shards, whole, secondary = res[:3]
+        ctx, gathers = self.ctx, whole is None or self.keep  # keep: forward's gathered weights
+        wait = _scalar(_anchor(ctx, "bwd", ct, self.scanned)) if gathers else None
+        if self.keep:
+            return whole
+        if ctx.comm.secondary is not None:
+            return _from_secondary(_depend(secondary, wait), shards, self.dims, ctx)
+        return _weights(shards, self.dims, ctx, whole, wait)
+
+    def _backward_vjp(self, params, saved, extra):
+        """The unit's vjp: recomputed from its inputs, or from the saved activations with the
+        weights gathered again where they were used."""
+        if self.ctx.policy.recompute_units:
+            return jax.vjp(lambda p, a: self.apply(p, extra, a)[0], params, saved)[1]
+        weights = jax.tree_util.tree_leaves(params)
+        found = iter(saved)
+        slots = self.saved_layout["slots"]
+        leaves = [next(found) if s is None else weights[s] for s in slots]
+        return jax.tree_util.tree_unflatten(self.saved_layout["treedef"], leaves)

@@ -16,8 +16,7 @@ from flax.core.scope import Scope
 
 from zerojax.core.call_plan import is_array, on_batch, with_values
 from zerojax.core.rules import PARAMS
-from zerojax.core.trace_scope import fresh_traces
-from zerojax.engine.hook import model_running, running_model
+from zerojax.core.trace_scope import current, fresh_traces, scoped
 from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx import objects_in, objects_out
 from zerojax.flax.nnx_calls import routed, split_params, with_params
@@ -67,7 +66,7 @@ def nnx_calls_hooked(hook, batch_rows: set, objs: tuple, prefixes: tuple):
     from them and they advance as under `nnx.jit`."""
 
     def handle(module, call, prefix: str, args, kwargs):
-        if running_model() or inside_unit() or not _on_batch((args, kwargs), batch_rows):
+        if current().running_model or inside_unit() or not _on_batch((args, kwargs), batch_rows):
             return call(module, *args, **kwargs)
         (args, kwargs), passed = objects_out((args, kwargs))
         graphdef, params, rest = split_params(module)
@@ -121,7 +120,7 @@ def _changes_state(graphdef, params, rest, call, args, kwargs) -> list:
         a, k = with_values(flat, arrays, values, tree)
         before = {path: var.get_value() for path, var in nnx.to_flat_state(rest)}
         copy = nnx.merge(graphdef, params, rest)
-        with model_running():
+        with scoped(running_model=True):
             call(copy, *a, **k)
         for path, var in nnx.to_flat_state(nnx.state(copy, nnx.Not(nnx.Param))):
             if path not in before or var.get_value() is not before[path]:
@@ -141,7 +140,7 @@ def _on_batch(call_args, batch_rows: set) -> bool:
 
 def _hookable(module, call_args, batch_rows: set) -> bool:
     scope = module.scope
-    if running_model() or inside_unit() or module.path or scope is None:
+    if current().running_model or inside_unit() or module.path or scope is None:
         return False
     if not isinstance(module.parent, Scope) or module.is_initializing():
         return False

@@ -154,7 +154,7 @@ def _run_unit(module, path: str, original, args, kwargs):
         return out, (nnx.from_flat_state(changed), [nnx.state(o) for o in given])
 
     extra = (rest, [state for _, state in splits])
-    out, (written, states) = run_unit(path, nnx.to_pure_dict(params), apply, extra, args, kwargs)
+    out, (written, states) = run_unit(path, nnx.to_pure_dict(params), apply, extra, (args, kwargs))
     nnx.update(module, written)
     for obj, state in zip(passed, states, strict=True):
         nnx.update(obj, state)

@@ -1,13 +1,13 @@
 """zerojax's managed update (16-bit parameters over fp32 master weights, fp16 loss scaling,
 accumulation, clipping) for an NNX model and its `nnx.Optimizer`, with Flax's step unchanged.
 
-`manage_objects` turns the objects into managed ones, as `optim.prepare_state` does a
+`manage_objects` turns the objects into managed ones, as `managed.prepare_state` does a
 TrainState: the model's parameters in the 16-bit dtype, the optimizer's `tx` a `ZeroTx`, and a
 `ZeroBuffers` variable `optimizer.zerojax` holding the master weights, buffers and loss scaler
 (a `ZeroOptState` whose `inner` is left empty: the optax state stays in `optimizer.opt_state`).
 In the step, `ManagedObjects` gives the model an fp32 view of its parameters, and Flax's own
-`optimizer.update` applies the real update (`optim.managed_update`) that its `ZeroTx` returns,
-so the user's code after it sees the new parameters; `optim.settle` then keeps what it left.
+`optimizer.update` applies the real update (`managed.managed_update`) that its `ZeroTx` returns,
+so the user's code after it sees the new parameters; `managed.settle` then keeps what it left.
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from zerojax.core.config import ZeroConfig, ZeroError
-from zerojax.engine.optim import (
+from zerojax.core.errors import ZeroError
+from zerojax.core.policy import UpdatePolicy
+from zerojax.flax.nnx_calls import with_params
+from zerojax.update.managed import (
+    UpdateCall,
     ZeroTx,
     cast_floating,
     managed_update,
@@ -28,7 +31,6 @@ from zerojax.engine.optim import (
     present,
     settle,
 )
-from zerojax.flax.nnx_calls import with_params
 
 BUFFERS = "zerojax"  # the optimizer attribute holding the ZeroBuffers variable
 
@@ -39,7 +41,7 @@ class ZeroBuffers(nnx.OptState):
 
 @struct.dataclass
 class _View:
-    """The TrainState-like view `optim.prepare_state` / `apply_update` work on."""
+    """The TrainState-like view `managed.prepare_state` / `apply_update` work on."""
 
     params: Any
     opt_state: Any
@@ -47,13 +49,7 @@ class _View:
     tx: Any = struct.field(pytree_node=False)
 
 
-def for_nnx(cfg: ZeroConfig) -> ZeroConfig:
-    """`cfg` as NNX objects are managed: accumulate='auto' means 'reduced' (each micro-batch's
-    gradients reduced at once), as local accumulation is not available for NNX yet."""
-    return cfg.replace(accumulate="reduced") if cfg.accumulate == "auto" else cfg
-
-
-def pair(objs: tuple, cfg: ZeroConfig) -> tuple[nnx.Module, nnx.Optimizer]:
+def pair(objs: tuple, policy: UpdatePolicy) -> tuple[nnx.Module, nnx.Optimizer]:
     """The (model, optimizer) of a managed NNX step: the first module and the one optimizer."""
     optimizers = [o for o in objs if isinstance(o, nnx.Optimizer)]
     models = [o for o in objs if isinstance(o, nnx.Module) and not isinstance(o, nnx.Optimizer)]
@@ -62,7 +58,7 @@ def pair(objs: tuple, cfg: ZeroConfig) -> tuple[nnx.Module, nnx.Optimizer]:
             "precision, accumulation and clipping manage one NNX model and its nnx.Optimizer: "
             f"pass (model, optimizer), got {tuple(type(o).__name__ for o in objs)}."
         )
-    if cfg.accumulates_locally:
+    if policy.accumulates_locally:
         raise ZeroError(
             "accumulate='local' is not available for NNX objects yet: use accumulate='reduced' "
             "(or 'auto'; each micro-batch's gradients reduced at once)."
@@ -74,12 +70,13 @@ def is_managed(objs: tuple) -> bool:
     return any(isinstance(getattr(o, "tx", None), ZeroTx) for o in objs)
 
 
-def manage_objects(objs: tuple, cfg: ZeroConfig, axis_size: int) -> None:
-    """Make `objs` (fresh objects: changed in place) managed as `cfg` trains them."""
+def manage_objects(objs: tuple, policy: UpdatePolicy, axis_size: int) -> None:
+    """Make `objs` (fresh objects: changed in place) managed as `policy` trains them
+    (accumulate='auto' is 'reduced' for NNX: `UpdatePolicy.for_nnx`)."""
     if is_managed(objs):
         return
-    cfg = for_nnx(cfg)
-    model, optimizer = pair(objs, cfg)
+    policy = policy.for_nnx()
+    model, optimizer = pair(objs, policy)
     params = nnx.state(model, nnx.Param)
     view = _View(
         nnx.to_pure_dict(params),
@@ -87,7 +84,7 @@ def manage_objects(objs: tuple, cfg: ZeroConfig, axis_size: int) -> None:
         optimizer.step.get_value(),
         optimizer.tx,
     )
-    view = prepare_state(view, cfg, axis_size)
+    view = prepare_state(view, policy, axis_size)
     _set_params(model, view.params)
     nnx.update(optimizer.opt_state, nnx.state(view.opt_state.inner))  # optimizer_state_dtype
     optimizer.tx = view.tx
@@ -114,14 +111,14 @@ def _on_states(tx, template) -> optax.GradientTransformation:
 class ManagedObjects:
     """One managed step's objects: made before the step runs, it gives the model an fp32 view
     of its parameters; `update` is what the step's `optimizer.update` gets from its `ZeroTx`
-    (`optim.managed_update`, with the buffers read from and written to `optimizer.zerojax`);
-    `finish` settles what the step's code left in the objects (`optim.settle`)."""
+    (`managed.managed_update`, with the buffers read from and written to `optimizer.zerojax`);
+    `finish` settles what the step's code left in the objects (`managed.settle`)."""
 
-    def __init__(self, objs: tuple, cfg: ZeroConfig, micro: bool, layouts=(None, None)):
+    def __init__(self, objs: tuple, policy: UpdatePolicy, micro: bool, layouts=(None, None)):
         """`layouts`: the shardings of the stored parameters and of the master weights (device
         memory), which the fp32 view and the parameters the step returns are laid out like."""
-        self.cfg, self.micro, self.run = for_nnx(cfg), micro, None
-        self.model, self.optimizer = pair(objs, self.cfg)
+        self.policy, self.micro, self.run = policy.for_nnx(), micro, None
+        self.model, self.optimizer = pair(objs, self.policy)
         self.template = nnx.state(self.model, nnx.Param)
         self.params = nnx.to_pure_dict(self.template)  # 16-bit, as stored
         self.inner = nnx.as_pure(self.optimizer.opt_state)
@@ -132,7 +129,7 @@ class ManagedObjects:
 
     @property
     def scale(self):
-        return self.buffers.get_value().scale if self.cfg.scales_loss else None
+        return self.buffers.get_value().scale if self.policy.scales_loss else None
 
     def update(self, tx, grads, state, params):
         """`ZeroTx.update(grads, state, params)` as Flax's `optimizer.update` calls it, with
@@ -140,9 +137,8 @@ class ManagedObjects:
         pure = lambda tree: nnx.to_pure_dict(tree) if isinstance(tree, nnx.State) else tree
         opt = self.buffers.get_value()._replace(inner=state)
         tx = _on_states(tx, self.template)
-        updates, opt = managed_update(
-            tx, opt, pure(grads), pure(params), self.cfg, self.micro, self.run
-        )
+        call = UpdateCall(self.policy, self.micro, self.run)
+        updates, opt = managed_update(tx, opt, pure(grads), pure(params), call)
         self.buffers.set_value(opt._replace(inner=()))
         return nnx.as_pure(with_params(self.template, updates)), opt.inner
 
@@ -159,7 +155,7 @@ class ManagedObjects:
             self.optimizer.step.get_value(),
             None,
         )
-        after = settle(before, after, self.cfg, self.micro)
+        after = settle(before, after, self.policy, self.micro)
         _set_params(self.model, after.params)
         self.optimizer.step.set_value(jnp.asarray(after.step, self.step.dtype))
         self.buffers.set_value(after.opt_state)

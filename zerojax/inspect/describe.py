@@ -18,7 +18,8 @@ import math
 import jax
 import numpy as np
 
-from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.config import ZeroConfig
+from zerojax.core.errors import ZeroError
 from zerojax.core.rules import PARAMS, LeafPlan, path_str
 
 WARN_FRACTION = 0.01  # a cause keeping more than this share of the bytes a stage splits warns

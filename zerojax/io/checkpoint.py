@@ -22,10 +22,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.core.config import ZeroError
-from zerojax.core.errors import warn
+from zerojax.core.errors import ZeroError, warn
 from zerojax.core.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
-from zerojax.engine.optim import ZeroOptState, initial_scaler, present, zero_opt_state
 from zerojax.engine.state import boundary
 from zerojax.io.checkpoint_health import (
     UnreadableStep,
@@ -36,6 +34,7 @@ from zerojax.io.checkpoint_health import (
     saved_leaves,
     saved_step,
 )
+from zerojax.update.managed import ZeroOptState, initial_scaler, present, zero_opt_state
 
 # ZeroOptState fields a checkpoint keeps under "zero": the loss scaler's counters (the others
 # are derived or empty at an optimizer-step boundary: master -> params, inner -> opt_state,
@@ -310,7 +309,9 @@ class CheckpointManager:
                 node = node.setdefault(k, {})
             node[keys[-1]] = jax.random.key_data(leaf) if _is_key(leaf) else leaf
         return (
-            user.rebuild(_assemble(abstract, shardings, wanted, restored, self.zero.config)),
+            user.rebuild(
+                _assemble(abstract, shardings, wanted, restored, self.zero.placement.update)
+            ),
             dict(out["extra"] or {}),
         )
 
@@ -419,12 +420,12 @@ def _key_size(leaf) -> int:
     return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), leaf.dtype)).shape[-1]
 
 
-def _assemble(abstract, shardings, wanted, restored, cfg):
+def _assemble(abstract, shardings, wanted, restored, policy):
     """The target state from restored canonical arrays, each leaf in its dtype, sharding and
     memory kind. Leaves a checkpoint does not store are derived: 16-bit params from the master
     weights, zero micro counter and accumulation buffers, and (from a checkpoint without them)
     fresh loss-scaler counters."""
-    scaler = initial_scaler(cfg)
+    scaler = initial_scaler(policy)
     leaves = []
     for (path, leaf), (keys, _), sharding in zip(
         jax.tree_util.tree_flatten_with_path(abstract)[0],

@@ -20,7 +20,8 @@ import msgpack
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zerojax.core.config import DTYPE_NAMES, ZeroError
+from zerojax.core.config import DTYPE_NAMES
+from zerojax.core.errors import ZeroError
 from zerojax.io.checkpoint import nest, orbax_manager
 from zerojax.io.checkpoint_health import saved_leaves, saved_step, step_problems
 from zerojax.io.interop import FILE_DTYPES

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zerojax.core.call_plan import dtype_of
-from zerojax.core.config import ZeroError
+from zerojax.core.errors import ZeroError
 from zerojax.core.rules import path_str
-from zerojax.engine.optim import ZeroOptState, cast_floating, present
+from zerojax.update.managed import ZeroOptState, present
+from zerojax.update.transforms import cast_floating
 
 # safetensors dtype names and the numpy dtypes zerojax reads them as
 FILE_DTYPES = {name: np.dtype(t) for name, t in (("BF16", jnp.bfloat16), ("BOOL", np.bool_))} | {
@@ -128,6 +128,7 @@ def load_safetensors(
             {**state, "params": loaded} if isinstance(state, dict) else state.replace(params=loaded)
         )
     params = jax.jit(
-        lambda m: cast_floating(m, dtype_of(zero.config.precision)), out_shardings=shardings.params
+        lambda m: cast_floating(m, zero.placement.update.param_dtype),
+        out_shardings=shardings.params,
     )(loaded)
     return state.replace(params=params, opt_state=state.opt_state._replace(master=loaded))

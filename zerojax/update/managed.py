@@ -15,15 +15,31 @@ parameters that code returned (a projection it made is kept) and counts optimize
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.core.call_plan import dtype_of
-from zerojax.core.config import ZeroConfig, ZeroError
+from zerojax.core.errors import ZeroError
+from zerojax.core.policy import UpdatePolicy
 from zerojax.core.trace_scope import current, scoped
+from zerojax.update.transforms import (
+    applied,
+    cast_floating,
+    clipped,
+    micro_batch_mean,
+    next_loss_scale,
+    norm_and_finite,
+    skipped_unless_finite,
+    state_kept_in_its_dtype,
+    store_optimizer_state,
+    zero_where_nonfinite,
+    zeros_like,
+)
 
 
 class ZeroOptState(NamedTuple):
@@ -61,11 +77,7 @@ def updating(update):
 def capture_gradients():
     """`updating` that only collects the gradients and changes nothing (local accumulation:
     the step runs per device, and the update is applied once the gradients are reduced)."""
-    return updating(lambda tx, grads, state, params: (_zeros(grads), state))
-
-
-def _zeros(tree):
-    return jax.tree_util.tree_map(jnp.zeros_like, tree)
+    return updating(lambda tx, grads, state, params: (zeros_like(grads), state))
 
 
 class ZeroTx:
@@ -120,30 +132,7 @@ def present(tree) -> bool:
     return not (isinstance(tree, tuple) and not tree)
 
 
-def _floating(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.floating)
-
-
-def cast_floating(tree, dtype):
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _floating(x) else x, tree)
-
-
-def _moment(x) -> bool:
-    """A leaf `optimizer_state_dtype` applies to: floating and not a scalar (hyperparameters,
-    counts and loss-scale values stay as they are)."""
-    return _floating(x) and jnp.ndim(x) > 0
-
-
-def store_optimizer_state(inner, cfg: ZeroConfig, like=None):
-    """The user's optimizer state as it is kept between steps (`optimizer_state_dtype`); with
-    `like`, each leaf back in the dtype of `like`'s (the stored state the update started from)."""
-    if like is not None:
-        return jax.tree_util.tree_map(lambda x, old: x.astype(old.dtype), inner, like)
-    dtype = dtype_of(cfg.optimizer_state_dtype)
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _moment(x) else x, inner)
-
-
-def prepare_state(state, cfg: ZeroConfig, axis_size: int):
+def prepare_state(state, policy: UpdatePolicy, axis_size: int):
     """A managed copy of `state` (unchanged if already managed). Runs under jit in zero.init."""
     if isinstance(getattr(state, "opt_state", None), ZeroOptState):
         return state
@@ -154,34 +143,34 @@ def prepare_state(state, cfg: ZeroConfig, axis_size: int):
             f"{type(state).__name__}."
         )
     params32 = cast_floating(state.params, jnp.float32)
-    k, accum_dtype = cfg.accumulation_steps, dtype_of(cfg.grad_accum_dtype)
+    k, accum_dtype = policy.accumulation_steps, policy.accum_dtype
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
         lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
     )
-    local = cfg.accumulates_locally and not _own_update(state, cfg)
+    local = policy.accumulates_locally and not _own_update(state, policy)
     opt = ZeroOptState(
-        inner=store_optimizer_state(state.opt_state, cfg),
-        master=params32 if cfg.uses_16bit else (),
+        inner=store_optimizer_state(state.opt_state, policy),
+        master=params32 if policy.uses_16bit else (),
         accum=zeros(()) if k > 1 and not local else (),
         per_device=zeros((axis_size,)) if local else (),
         micro=jnp.zeros((), jnp.int32),
-        **initial_scaler(cfg),
+        **initial_scaler(policy),
     )
     return state.replace(
-        params=cast_floating(state.params, dtype_of(cfg.precision)),
+        params=cast_floating(state.params, policy.param_dtype),
         opt_state=opt,
         tx=ZeroTx(state.tx),
     )
 
 
-def _own_update(state, cfg: ZeroConfig) -> bool:
+def _own_update(state, policy: UpdatePolicy) -> bool:
     """Whether the state's class overrides `apply_gradients` (an EMA, a projection): its code
     must see the updated parameters, which local accumulation cannot give it (the step runs
     per device before the gradients are reduced), so 'auto' accumulates 'reduced' for it."""
     own = getattr(type(state), "apply_gradients", None)
     if own is None or getattr(own, "__module__", "").startswith("flax."):
         return False
-    if cfg.accumulate == "local":
+    if policy.accumulate == "local":
         raise ZeroError(
             f"accumulate='local' runs the step per device and applies the update after it, "
             f"so {type(state).__name__}.apply_gradients would see the parameters unchanged: "
@@ -191,13 +180,13 @@ def _own_update(state, cfg: ZeroConfig) -> bool:
     return True
 
 
-def initial_scaler(cfg: ZeroConfig) -> dict:
+def initial_scaler(policy: UpdatePolicy) -> dict:
     """The loss scaler's counters and metrics as a fresh state starts them."""
-    scale = (cfg.loss_scale or 2.0**cfg.initial_scale_power) if cfg.scales_loss else 1.0
+    scale = (policy.loss_scale or 2.0**policy.initial_scale_power) if policy.scales_loss else 1.0
     return dict(
         scale=jnp.asarray(scale, jnp.float32),
         good_steps=jnp.zeros((), jnp.int32),
-        hysteresis=jnp.asarray(cfg.hysteresis, jnp.int32),
+        hysteresis=jnp.asarray(policy.hysteresis, jnp.int32),
         skipped=jnp.zeros((), jnp.int32),
         last_skipped=jnp.zeros((), bool),
         grad_norm=jnp.zeros((), jnp.float32),
@@ -215,66 +204,53 @@ def accumulate(opt: ZeroOptState, grads) -> ZeroOptState:
     return opt._replace(accum=accum, micro=opt.micro + 1)
 
 
-def managed_update(tx, opt: ZeroOptState, grads, params, cfg: ZeroConfig, micro: bool, run=None):
+@dataclasses.dataclass(frozen=True)
+class UpdateCall:
+    """One traced update: the policy, whether this micro-batch only accumulates its gradients,
+    and `run(update, master, inner, grads, finite)` running the optimizer elsewhere (the host
+    CPU: `comm.offload.optimizer_on_host`), None on the device."""
+
+    policy: UpdatePolicy
+    micro: bool = False
+    run: Callable | None = None
+
+
+def managed_update(tx, opt: ZeroOptState, grads, params, call: UpdateCall):
     """What `ZeroTx.update` returns for the user's optax `tx`: (updates to `params`, the new
     ZeroOptState). A micro-batch only accumulates its gradients (the parameters stay, as under
-    optax.MultiSteps); the k-th takes the mean over micro-batches, checks for overflow (fp16,
-    on_nonfinite: a non-finite step changes nothing, as under optax.apply_if_finite), clips,
-    and runs `tx` on the fp32 master weights. `params` (the fp32 view the step sees) plus the
-    updates are the new master weights. `run(update, master, inner, grads, finite)`, if given,
-    runs the optimizer elsewhere (offload.optimizer_on_host)."""
+    optax.MultiSteps); the k-th runs `_optimizer_step` on the fp32 master weights. `params`
+    (the fp32 view the step sees) plus the updates are the new master weights."""
     grads = cast_floating(grads, jnp.float32)
     master = opt.master if present(opt.master) else params
-    if micro:
-        new_opt, new_master, updates = accumulate(opt, grads), master, _zeros(params)
+    if call.micro:
+        new_opt, new_master, updates = accumulate(opt, grads), master, zeros_like(params)
     else:
-        new_opt, new_master, updates = _optimizer_step(tx, opt, grads, master, cfg, run)
+        new_opt, new_master, updates = _optimizer_step(tx, opt, grads, master, call)
     if present(opt.master):  # the user's view holds master.astype(16 bits) in fp32
         updates = jax.tree_util.tree_map(lambda m, p: m - p, new_master, params)
         new_opt = new_opt._replace(master=new_master)
     return updates, new_opt
 
 
-def _optimizer_step(tx, opt: ZeroOptState, grads, master, cfg: ZeroConfig, run):
-    """(new ZeroOptState, new master, `tx`'s updates) of the k-th micro-batch."""
-    k = cfg.accumulation_steps
-    if present(opt.accum):
-        grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, opt.accum, grads)
-    if k > 1:
-        grads = jax.tree_util.tree_map(lambda g: g / k, grads)
-    norm = optax.tree.norm(grads)
-    checks = cfg.scales_loss or cfg.on_nonfinite != "off"
-    finite = jnp.isfinite(norm) if checks else jnp.asarray(True)
-    if cfg.gradient_clipping > 0:
-        grads, _ = optax.clip_by_global_norm(cfg.gradient_clipping).update(
-            grads, optax.EmptyState()
-        )
-    low_precision_state = cfg.optimizer_state_dtype != "fp32"
-
-    def update(master, stored, grads=grads):
-        inner = stored
-        if low_precision_state:  # used in f32, stored back in the dtype it was kept in
-            inner = jax.tree_util.tree_map(
-                lambda x: x.astype(jnp.float32) if _moment(x) else x, stored
-            )
-        updates, inner = tx.update(grads, inner, master)
-        if low_precision_state:
-            inner = store_optimizer_state(inner, cfg, stored)
-        return optax.apply_updates(master, updates), inner, updates
-
-    if run is not None:
-        new_master, inner, updates = run(update, master, opt.inner, grads, finite)
-    elif checks:  # a non-finite step changes nothing (fp16: but the loss scale)
-        keep = lambda m, i: (m, i, _zeros(m))
-        new_master, inner, updates = jax.lax.cond(finite, update, keep, master, opt.inner)
+def _optimizer_step(tx, opt: ZeroOptState, grads, master, call: UpdateCall):
+    """(new ZeroOptState, new master, `tx`'s updates) of the k-th micro-batch: the mean over
+    micro-batches, the finite check, clipping, `tx` with its state in its dtype (skipped on a
+    non-finite step), on the device or where `call.run` runs it, and the next loss scale."""
+    policy = call.policy
+    grads = micro_batch_mean(opt.accum, grads, policy.accumulation_steps, present(opt.accum))
+    norm, finite = norm_and_finite(grads, policy)
+    grads = clipped(grads, policy)
+    update = applied(state_kept_in_its_dtype(tx, policy))
+    if call.run is not None:
+        new_master, inner, updates = call.run(update, master, opt.inner, grads, finite)
     else:
+        update = skipped_unless_finite(functools.partial(update, grads=grads), finite, policy)
         new_master, inner, updates = update(master, opt.inner)
-    if checks:
-        updates = jax.tree_util.tree_map(lambda u: jnp.where(finite, u, 0), updates)
-    scale, good, hyst, at_min = _next_loss_scale(opt, finite, cfg)
+    updates = zero_where_nonfinite(updates, finite, policy)
+    scale, good, hyst, at_min = next_loss_scale(opt, finite, policy)
     opt = opt._replace(
         inner=inner,
-        accum=_zeros(opt.accum),
+        accum=zeros_like(opt.accum),
         micro=jnp.zeros((), jnp.int32),
         scale=scale,
         good_steps=good,
@@ -287,7 +263,7 @@ def _optimizer_step(tx, opt: ZeroOptState, grads, master, cfg: ZeroConfig, run):
     return opt, new_master, updates
 
 
-def settle(before, after, cfg: ZeroConfig, micro: bool):
+def settle(before, after, policy: UpdatePolicy, micro: bool):
     """The state the user's update code returned (`after`, from `before`) as zerojax keeps it:
     the fp32 master weights follow the parameters it returned (exactly the managed update's
     where they are what `params + updates` gives; the user's values where its code changed
@@ -305,7 +281,7 @@ def settle(before, after, cfg: ZeroConfig, micro: bool):
         view = cast_floating(before.params, jnp.float32)
         master = jax.tree_util.tree_map(_follow, opt.master, view, params)
         opt = opt._replace(master=master)
-        params = cast_floating(master, dtype_of(cfg.precision))
+        params = cast_floating(master, policy.param_dtype)
     applied = jnp.asarray(False) if micro else ~opt.last_skipped
     # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
     # returned state matches the input's avals and the step does not compile twice
@@ -321,33 +297,16 @@ def _follow(master, view, returned):
     return jnp.where(returned == view + (master - view), master, returned)
 
 
-def apply_update(state, old_step, grads, cfg: ZeroConfig, run=None):
+def apply_update(state, old_step, grads, policy: UpdatePolicy, run=None):
     """The managed update applied by zerojax itself to `state` (local accumulation: the user's
     step ran per device before its gradients were reduced), as `apply_gradients` would."""
     view = cast_floating(state.params, jnp.float32)
-    updates, opt = managed_update(state.tx.inner, state.opt_state, grads, view, cfg, False, run)
+    call = UpdateCall(policy, False, run)
+    updates, opt = managed_update(state.tx.inner, state.opt_state, grads, view, call)
     after = state.replace(
         params=optax.apply_updates(view, updates), opt_state=opt, step=old_step + 1
     )
-    return settle(state.replace(step=old_step), after, cfg, micro=False)
-
-
-def _next_loss_scale(opt: ZeroOptState, finite, cfg: ZeroConfig):
-    """DeepSpeed's DynamicLossScaler: an overflow skips the step and, once `hysteresis`
-    overflows have been seen, halves the scale (not below min_loss_scale); every
-    `loss_scale_window` clean steps double it and restore the hysteresis."""
-    if not cfg.scales_loss_dynamically:
-        return opt.scale, opt.good_steps, opt.hysteresis, jnp.asarray(False)
-    overflow = ~finite
-    drop = overflow & (opt.hysteresis <= 1)
-    good = jnp.where(overflow, 0, opt.good_steps + 1)
-    grow = finite & (good % cfg.loss_scale_window == 0)
-    scale = jnp.where(drop, jnp.maximum(opt.scale / 2, cfg.min_loss_scale), opt.scale)
-    scale = jnp.where(grow, scale * 2, scale)
-    hyst = jnp.where(overflow & ~drop, opt.hysteresis - 1, opt.hysteresis)
-    hyst = jnp.where(grow, cfg.hysteresis, hyst)
-    at_min = drop & (opt.scale <= cfg.min_loss_scale)
-    return scale, good, hyst, at_min
+    return settle(state.replace(step=old_step), after, policy, micro=False)
 
 
 def update_metrics(opt: ZeroOptState) -> dict:

@@ -1,0 +1,1 @@
+"""The managed update: what zerojax wraps around any optax transformation."""
