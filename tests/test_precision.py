@@ -292,7 +292,7 @@ class _Compiles(logging.Handler):
         self.count = 0
 
     def emit(self, record):
-        self.count += record.getMessage().startswith("Compiling jit(_traced)")
+        self.count += record.getMessage().startswith("Compiling jit(traced)")
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def finish(out, state, shardings, cast: bool):
             "the state a zerojax step returns must have the structure of the state "
             f"it received ({type(state).__name__}); did the step add or drop fields?"
         )
-    if cast:  # NNX objects: the same in step.ZeroStep._traced_objects
+    if cast:  # NNX objects: the same in traced.traced_objects
         master = shardings.opt_state.master
         new = new.replace(params=jax.lax.with_sharding_constraint(new.params, master))
     new = to_storage(new, shardings)
