@@ -112,14 +112,6 @@ def test_folders_follow_the_layers_of_the_design():
     assert on_disk <= named, f"folders the table does not name: {sorted(on_disk - named)}"
 
 
-# the one edge that still goes up (#63's open part): the DeepSpeed JSON reader, whose key tables
-# check optimizer and scheduler blocks with deepspeed/optimizer.py's, is read by the config
-KNOWN_UPWARD = {
-    ("zerojax.core.config", "zerojax.deepspeed.reader"),
-    ("zerojax.core.reference", "zerojax.deepspeed.reader"),
-}
-
-
 def _folder(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 2 else "zerojax"
@@ -141,7 +133,7 @@ def test_folders_import_downward_only():
         for t, _ in edges
         if _folder(m) in rank and _folder(t) in rank and rank[_folder(t)] < rank[_folder(m)]
     }
-    assert upward == KNOWN_UPWARD, sorted(upward ^ KNOWN_UPWARD)
+    assert not upward, sorted(upward)
     assert order.index("flax") < order.index("comm") and order.index("engine") < order.index("flax")
 
 
@@ -156,7 +148,7 @@ def test_imports_go_down_the_layers_of_the_design():
         for m, edges in _imports().items()
         if m in row
         for t, _ in edges
-        if t in row and row[t] < row[m] and (m, t) not in KNOWN_UPWARD
+        if t in row and row[t] < row[m]
     ]
     assert not upward, upward
 
@@ -167,7 +159,7 @@ def test_modules_import_in_either_order(order):
         "zerojax.flax.nnx",
         "zerojax.engine.step",
         "zerojax.core.config",
-        "zerojax.deepspeed.reader",
+        "zerojax.core.deepspeed_json",
     ][::order]
     code = f"import {', '.join(names)}"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

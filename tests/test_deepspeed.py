@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zerojax as zj
-from zerojax.deepspeed import reader as ds
+from zerojax.core import deepspeed_json as ds
 
 CONFIGS = pathlib.Path(__file__).parent.parent / "configs"
 TABLES = {

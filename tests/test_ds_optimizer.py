@@ -14,7 +14,7 @@ from common import batches, initial_state, train_step
 from optax import contrib
 
 import zerojax as zj
-from zerojax.deepspeed import reader as ds
+from zerojax.core import deepspeed_json as ds
 
 # The shape of accelerate's / the HF Trainer's DeepSpeed templates: every value "auto".
 AUTO_ADAMW = {

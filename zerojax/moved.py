@@ -28,6 +28,7 @@ MOVED = {  # old module path -> where it lives now
     "zerojax.trace_scope": "zerojax.core.trace_scope",
     "zerojax.xla_flags": "zerojax.core.xla_flags",
     "zerojax.ds_optimizer": "zerojax.deepspeed.optimizer",
+    "zerojax.deepspeed.reader": "zerojax.core.deepspeed_json",
     "zerojax.budget": "zerojax.engine.budget",
     "zerojax.checks": "zerojax.engine.checks",
     "zerojax.hook": "zerojax.engine.hook",

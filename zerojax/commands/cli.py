@@ -88,8 +88,8 @@ def config_parser(sub) -> None:
 def config(args) -> int:
     from zerojax.core.config import ZeroConfig
     from zerojax.core.config_files import read_config
+    from zerojax.core.deepspeed_json import explain
     from zerojax.core.errors import ZeroError
-    from zerojax.deepspeed.reader import explain
 
     try:
         data = read_config(args.file)

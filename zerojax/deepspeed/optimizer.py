@@ -23,11 +23,15 @@ import optax
 from optax import contrib
 
 from zerojax.core.config_files import read_config
+from zerojax.core.deepspeed_blocks import (
+    AUTO,
+    HF_DEFAULTS,
+    OPTIMIZER_PARAMS,
+    REQUIRED,
+    SCHEDULER_PARAMS,
+    block_type,
+)
 from zerojax.core.errors import ZeroError, closest
-
-AUTO = "auto"
-REQUIRED = "(required)"  # a parameter DeepSpeed has no default for
-HF_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "warmup_min_lr": 0.0}
 
 
 # ---- optimizers ----------------------------------------------------------------------------
@@ -99,37 +103,17 @@ class Optimizer:
         return "betas" in self.defaults
 
 
-_BASE = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
-_ADAM = {**_BASE, "adam_w_mode": True}
-_ADAM_FIXED = {"bias_correction": True, "amsgrad": False, "torch_adam": None}
 OPTIMIZERS = {
-    "adam": Optimizer(_adam, _ADAM, _ADAM_FIXED),
-    "adamw": Optimizer(_adam, _ADAM, _ADAM_FIXED),
-    "lamb": Optimizer(
-        _lamb,
-        {**_BASE, "max_coeff": 10.0, "min_coeff": 0.01},
-        {"bias_correction": True, "amsgrad": False, "eps_inside_sqrt": False, "max_grad_norm": 0.0},
-    ),
-    "lion": Optimizer(_lion, {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0}),
-    "sgd": Optimizer(
-        _sgd,
-        {"lr": 1e-3, "momentum": 0.0, "weight_decay": 0.0, "nesterov": False},
-        {"dampening": 0.0, "maximize": False},
-    ),
-    "muon": Optimizer(
-        _muon, {**_BASE, "momentum": 0.95, "ns_steps": 5}, {"adam_w_mode": True, "torch_adam": None}
-    ),
+    name: Optimizer(factory, *OPTIMIZER_PARAMS[name])
+    for name, factory in {
+        "adam": _adam,
+        "adamw": _adam,
+        "lamb": _lamb,
+        "lion": _lion,
+        "sgd": _sgd,
+        "muon": _muon,
+    }.items()
 }
-NAMES = {
-    "adam": "Adam",
-    "adamw": "AdamW",
-    "lamb": "Lamb",
-    "lion": "Lion",
-    "sgd": "SGD",
-    "muon": "Muon",
-}
-# communication-compressed optimizers: the same update without the compression
-COMPRESSED = {"onebitadam": "Adam", "zerooneadam": "Adam", "onebitlamb": "Lamb"}
 
 
 # ---- schedules: DeepSpeed's formulas at scheduler iteration i (i = -1 before the first step) --
@@ -200,52 +184,13 @@ def _one_cycle(p):
 
 
 SCHEDULERS = {
-    "WarmupLR": (
-        {
-            "warmup_min_lr": 0.0,
-            "warmup_max_lr": 1e-3,
-            "warmup_num_steps": 1000,
-            "warmup_type": "log",
-        },
-        _warmup_lr,
-    ),
-    "WarmupDecayLR": (
-        {
-            "total_num_steps": REQUIRED,
-            "warmup_min_lr": 0.0,
-            "warmup_max_lr": 1e-3,
-            "warmup_num_steps": 1000,
-            "warmup_type": "log",
-        },
-        _warmup_decay_lr,
-    ),
-    "WarmupCosineLR": (
-        {
-            "total_num_steps": REQUIRED,
-            "warmup_min_ratio": 0.0,
-            "warmup_num_steps": 1000,
-            "cos_min_ratio": 1e-4,
-            "warmup_type": "log",
-        },
-        _warmup_cosine_lr,
-    ),
-    "OneCycle": (
-        {
-            "cycle_min_lr": REQUIRED,
-            "cycle_max_lr": REQUIRED,
-            "decay_lr_rate": 0.0,
-            "cycle_first_step_size": 2000,
-            "cycle_second_step_size": None,
-            "cycle_first_stair_count": 0,
-            "cycle_second_stair_count": None,
-            "decay_step_size": 0,
-            "cycle_momentum": True,
-            "cycle_min_mom": 0.8,
-            "cycle_max_mom": 0.9,
-            "decay_mom_rate": 0.0,
-        },
-        _one_cycle,
-    ),
+    name: (SCHEDULER_PARAMS[name], build)
+    for name, build in {
+        "WarmupLR": _warmup_lr,
+        "WarmupDecayLR": _warmup_decay_lr,
+        "WarmupCosineLR": _warmup_cosine_lr,
+        "OneCycle": _one_cycle,
+    }.items()
 }
 
 
@@ -258,27 +203,6 @@ def _after_each_step(value_at: Callable, initial) -> Callable:
 
 
 # ---- reading the blocks ----------------------------------------------------------------------
-def _type(block: Mapping, section: str, table: Mapping) -> str:
-    """The block's `type` as the key of `table`, or a ZeroError naming the nearest one."""
-    name = block.get("type")
-    key = str(name).lower() if section == "optimizer" else str(name)
-    if key in table:
-        return key
-    if key.replace("_", "").lower() in COMPRESSED:
-        instead = COMPRESSED[key.replace("_", "").lower()]
-        why = (
-            f"a communication-compressed optimizer; use {instead!r}, the same update (XLA "
-            "reduces the gradients uncompressed)"
-        )
-    else:
-        names = [NAMES.get(k, k) for k in table]
-        near = closest(str(name), names)
-        why = (f"not supported; the nearest is {near!r}" if near else "not supported") + (
-            f" (supported: {', '.join(names)})"
-        )
-    raise ZeroError(f"{section}.type {name!r} is {why}.")
-
-
 def _params(
     block: Mapping, section: str, defaults: Mapping, fixed: Mapping, auto: Mapping, lazy=()
 ) -> dict:
@@ -350,9 +274,11 @@ def optimizer_from_config(config, **auto) -> optax.GradientTransformation:
             f"optimizer_from_config got unknown values {unknown}; they name parameters such "
             "as lr, betas, warmup_num_steps."
         )
-    kind_name = _type(block, "optimizer", OPTIMIZERS)
+    kind_name = block_type(block, "optimizer", OPTIMIZERS)
     kind = OPTIMIZERS[kind_name]
-    sched_name = _type(schedule, "scheduler", SCHEDULERS) if isinstance(schedule, Mapping) else None
+    sched_name = (
+        block_type(schedule, "scheduler", SCHEDULERS) if isinstance(schedule, Mapping) else None
+    )
     sets_lr = sched_name in ("WarmupLR", "WarmupDecayLR", "OneCycle")  # they replace lr
     p = _params(
         block, "optimizer", kind.defaults, kind.fixed, auto, lazy=("lr",) if sets_lr else ()
@@ -380,45 +306,3 @@ def optimizer_from_config(config, **auto) -> optax.GradientTransformation:
         )
     static = tuple(k for k in hyper if k not in moved)  # as a user writes them by hand
     return optax.inject_hyperparams(kind.factory, static_args=static)(**hyper)
-
-
-def explain_block(section: str, block) -> tuple[list[tuple[str, str]], list[tuple[str, str, list]]]:
-    """For `zerojax config explain`: (key, what zerojax does with it) for each key of an
-    `optimizer` or `scheduler` block, and the unknown keys as (dotted name, key, valid keys).
-    An unsupported type is explained, not refused: the user's optax code may provide it."""
-    if not isinstance(block, Mapping):
-        raise ZeroError(
-            f'{section} must be an object such as {{"type": ..., "params": {{...}}}}; '
-            f"got {block!r}."
-        )
-    unknown = [
-        (f"{section}.{k}", k, ["type", "params"]) for k in block if k not in ("type", "params")
-    ]
-    table = OPTIMIZERS if section == "optimizer" else SCHEDULERS
-    try:
-        kind = _type(block, section, table)
-        what = f"{block.get('type')}: zj.optimizer_from_config(config, ...) builds it"
-    except ZeroError as e:
-        kind, what = None, f"{e} Your optax code provides it"
-    params = block.get("params") or {}
-    if not isinstance(params, Mapping):
-        raise ZeroError(
-            f'{section}.params must be an object such as {{"lr": ...}}; got {params!r}.'
-        )
-    if params and all(v == AUTO for v in params.values()):
-        what += "; all its values are 'auto': your optax code provides them, or pass them to it"
-    rows = [(f"{section}.type", what)]
-    valid: Mapping[str, Any] = {}
-    if kind is not None:
-        entry = OPTIMIZERS[kind] if section == "optimizer" else None
-        valid = {**entry.defaults, **entry.fixed} if entry else SCHEDULERS[kind][0]
-    for key, value in params.items():
-        name = f"{section}.params.{key}"
-        if kind is not None and key not in valid:
-            unknown.append((name, key, list(valid)))
-        elif value == AUTO:
-            filled = f"HF's default {HF_DEFAULTS[key]!r}" if key in HF_DEFAULTS else "required"
-            rows.append((name, f"'auto': optimizer_from_config(config, {key}=...), else {filled}"))
-        else:
-            rows.append((name, f"{value!r}" + ("" if kind else " (not read)")))
-    return rows, unknown

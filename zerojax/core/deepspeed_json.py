@@ -18,8 +18,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from zerojax.core.deepspeed_blocks import explain_block
 from zerojax.core.errors import ZeroError, closest, nearest, warn
-from zerojax.deepspeed.optimizer import explain_block
 
 ACTS, IGNORED, ERROR = "acts", "ignored", "error"
 AUTO = "auto"
@@ -322,74 +322,119 @@ def explain(
     (`ZeroConfig.defaults()`) gives the value an 'auto' key resolves to."""
     if not isinstance(data, Mapping):
         raise ZeroError(f"a DeepSpeed config is a JSON object; got {type(data).__name__}.")
-    rows, options, unknown = [], {}, []
-
-    def walk(section: Mapping, table: dict, prefix: str, handle: Callable | None = None):
-        for key, value in section.items():
-            name = f"{prefix}{key}"
-            entry = table.get(key)
-            if entry is None:
-                unknown.append(_unknown(name, str(key), table))
-                continue
-            if entry.kind == ERROR:
-                raise ZeroError(f"{name}: {entry.why}.")
-            if entry.kind == IGNORED:
-                rows.append(Row(name, IGNORED, entry.why))
-                continue
-            sets = handle(key, name, value) if handle else entry.act(name, value)
-            options.update(sets)
-            what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or (
-                "(its keys: above)" if isinstance(value, Mapping) else "(read with its block)"
-            )
-            rows.append(Row(name, ACTS, what + (" (from 'auto')" if value == AUTO else "")))
-
-    def top(key, name, value):
-        if key == "zero_optimization":
-            if isinstance(value, bool):  # legacy form: true means stage 1
-                return {"stage": 1 if value else 0}
-            _section(name, value)
-            walk(value, ZERO_OPTIMIZATION, name + ".", zero)
-            return {}
-        if key in ("fp16", "bf16", "bfloat16"):
-            return _precision(key, name, value, rows, options, walk, defaults)
-        if key in ("optimizer", "scheduler"):  # the optax side: explained, built on request
-            explained, strangers = explain_block(key, value)
-            rows.extend(Row(k, ACTS, what) for k, what in explained)
-            unknown.extend(_unknown(*stranger) for stranger in strangers)
-            return {}
-        if value == AUTO and key == "gradient_clipping":  # HF's "auto": your option, or ours
-            return {"gradient_clipping": (defaults or {}).get("gradient_clipping", 0.0)}
-        if key == "data_types":
-            _section(name, value)
-            out = {}
-            for sub, v in value.items():
-                if sub != "grad_accum_dtype":
-                    unknown.append(_unknown(f"{name}.{sub}", sub, ["grad_accum_dtype"]))
-                else:
-                    out["grad_accum_dtype"] = _dtype(f"{name}.{sub}", v)
-            return out
-        return TOP_LEVEL[key].act(name, value)
-
-    def zero(key, name, value):
-        if key in ("offload_optimizer", "offload_param"):
-            _section(name, value)
-            walk(value, OFFLOAD, name + ".", lambda k, n, v: {})
-            kept = {k: v for k, v in value.items() if k in ("device", "pin_memory")}
-            return {key: kept}
-        entry = ZERO_OPTIMIZATION[key]
-        if value == AUTO:  # HF's "auto": zerojax's default, reported
-            option = entry.why.split()[0]
-            return {option: defaults[option]} if defaults and option in defaults else {}
-        return entry.act(name, value)
-
-    walk(data, TOP_LEVEL, "", top)
+    read = _Reading(defaults or {})
+    read.walk(data, TOP_LEVEL, "", read.top)
+    options = read.options
     if (
         "train_batch_size" in options
         and "micro_batch_size" in options
         and "gradient_accumulation_steps" not in options
     ):
         options["gradient_accumulation_steps"] = AUTO  # DeepSpeed infers it from the two
-    return rows, options, unknown
+    return read.rows, options, read.unknown
+
+
+@dataclasses.dataclass
+class _Reading:
+    """One DeepSpeed dict being read: a Row per key, the options its keys set, its unknown
+    keys; `defaults`: the value an 'auto' key resolves to."""
+
+    defaults: Mapping[str, Any]
+    rows: list = dataclasses.field(default_factory=list)
+    options: dict = dataclasses.field(default_factory=dict)
+    unknown: list = dataclasses.field(default_factory=list)
+
+    def walk(self, section: Mapping, table: dict, prefix: str, handle: Callable | None = None):
+        """Each key of `section` by its entry in `table` (`handle(key, name, value)` reads an
+        ACTS key instead of its entry's `act`)."""
+        for key, value in section.items():
+            name = f"{prefix}{key}"
+            entry = table.get(key)
+            if entry is None:
+                self.unknown.append(_unknown(name, str(key), table))
+                continue
+            if entry.kind == ERROR:
+                raise ZeroError(f"{name}: {entry.why}.")
+            if entry.kind == IGNORED:
+                self.rows.append(Row(name, IGNORED, entry.why))
+                continue
+            sets = handle(key, name, value) if handle else entry.act(name, value)
+            self.options.update(sets)
+            what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or (
+                "(its keys: above)" if isinstance(value, Mapping) else "(read with its block)"
+            )
+            self.rows.append(Row(name, ACTS, what + (" (from 'auto')" if value == AUTO else "")))
+
+    def top(self, key, name, value) -> dict:
+        """A top-level key: its section read, or the options it sets."""
+        if key == "zero_optimization":
+            if isinstance(value, bool):  # legacy form: true means stage 1
+                return {"stage": 1 if value else 0}
+            _section(name, value)
+            self.walk(value, ZERO_OPTIMIZATION, name + ".", self.zero)
+            return {}
+        if key in ("fp16", "bf16", "bfloat16"):
+            return self.precision(key, name, value)
+        if key in ("optimizer", "scheduler"):  # the optax side: explained, built on request
+            explained, strangers = explain_block(key, value)
+            self.rows.extend(Row(k, ACTS, what) for k, what in explained)
+            self.unknown.extend(_unknown(*stranger) for stranger in strangers)
+            return {}
+        if value == AUTO and key == "gradient_clipping":  # HF's "auto": your option, or ours
+            return {"gradient_clipping": self.defaults.get("gradient_clipping", 0.0)}
+        if key == "data_types":
+            return self.data_types(name, value)
+        return TOP_LEVEL[key].act(name, value)
+
+    def data_types(self, name, value) -> dict:
+        _section(name, value)
+        out = {}
+        for sub, v in value.items():
+            if sub != "grad_accum_dtype":
+                self.unknown.append(_unknown(f"{name}.{sub}", sub, ["grad_accum_dtype"]))
+            else:
+                out["grad_accum_dtype"] = _dtype(f"{name}.{sub}", v)
+        return out
+
+    def zero(self, key, name, value) -> dict:
+        """A key of `zero_optimization`."""
+        if key in ("offload_optimizer", "offload_param"):
+            _section(name, value)
+            self.walk(value, OFFLOAD, name + ".", lambda k, n, v: {})
+            kept = {k: v for k, v in value.items() if k in ("device", "pin_memory")}
+            return {key: kept}
+        entry = ZERO_OPTIMIZATION[key]
+        if value == AUTO:  # HF's "auto": zerojax's default, reported
+            option = entry.why.split()[0]
+            return {option: self.defaults[option]} if option in self.defaults else {}
+        return entry.act(name, value)
+
+    def precision(self, key, name, value) -> dict:
+        """The fp16 / bf16 block: enabled (true, false, or "auto": on when the `precision`
+        option passed beside the config (else zerojax's default, fp32) is this block's)."""
+        _section(name, value)
+        enabled = automatic = value.get("enabled", False)
+        if automatic == AUTO:
+            enabled = self.defaults.get("precision") == ("fp16" if key == "fp16" else "bf16")
+        _flag(f"{name}.enabled", enabled)
+        rest = {k: v for k, v in value.items() if k != "enabled"}
+        table = FP16 if key == "fp16" else BF16
+        if enabled is True:
+            self.walk(rest, table, name + ".")
+            precision = "fp16" if key == "fp16" else "bf16"
+            if self.options.get("precision", precision) != precision:
+                raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
+            return {"precision": precision}
+        scaling = [k for k in rest if table.get(k) and table[k].kind == ACTS]
+        if scaling and automatic == AUTO:  # an HF template's block, off here: read, not used
+            for k in scaling:
+                why = f"{name} is off ('auto': precision is not {key})"
+                self.rows.append(Row(f"{name}.{k}", IGNORED, why))
+            rest = {k: v for k, v in rest.items() if k not in scaling}
+        elif scaling:
+            raise ZeroError(f"{name} sets {', '.join(scaling)} but is not enabled.")
+        self.walk(rest, table, name + ".")
+        return {}
 
 
 def _sections() -> dict[str, Mapping]:
@@ -429,35 +474,6 @@ def _unknown(name: str, key: str, valid) -> str:
 def _section(name, value):
     if not isinstance(value, Mapping):
         raise ZeroError(f"{name} must be an object such as {{...}}; got {value!r}.")
-
-
-def _precision(key, name, value, rows, options, walk, defaults) -> dict:
-    """The fp16 / bf16 block: enabled (true, false, or "auto": on when the `precision` option
-    passed beside the config (else zerojax's default, fp32) is this block's)."""
-    _section(name, value)
-    enabled = automatic = value.get("enabled", False)
-    if automatic == AUTO:
-        enabled = (defaults or {}).get("precision") == ("fp16" if key == "fp16" else "bf16")
-    _flag(f"{name}.enabled", enabled)
-    rest = {k: v for k, v in value.items() if k != "enabled"}
-    table = FP16 if key == "fp16" else BF16
-    if enabled is True:
-        walk(rest, table, name + ".")
-        precision = "fp16" if key == "fp16" else "bf16"
-        if options.get("precision", precision) != precision:
-            raise ZeroError("fp16 and bf16 are both enabled; enable one of them.")
-        return {"precision": precision}
-    scaling = [k for k in rest if table.get(k) and table[k].kind == ACTS]
-    if scaling and automatic == AUTO:  # an HF template's block, off here: read, not used
-        for k in scaling:
-            rows.append(
-                Row(f"{name}.{k}", IGNORED, f"{name} is off ('auto': precision is not {key})")
-            )
-        rest = {k: v for k, v in rest.items() if k not in scaling}
-    elif scaling:
-        raise ZeroError(f"{name} sets {', '.join(scaling)} but is not enabled.")
-    walk(rest, table, name + ".")
-    return {}
 
 
 def options_from_deepspeed(
