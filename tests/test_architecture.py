@@ -341,6 +341,14 @@ def test_the_trace_scope_nests_and_restores():
     assert current() is OUTSIDE
 
 
+def test_one_hlo_instruction_grammar():
+    # inspect/ reads HLO text through inspect/hlo.py alone: what an instruction line is (its
+    # name, result type, opcode, operands), which computations it calls, a while's parts
+    sources = _sources()
+    assert [m for m, src in sources.items() if "(?:ROOT" in src] == ["zerojax.inspect.hlo"]
+    assert [m for m, src in sources.items() if "body=%?" in src] == ["zerojax.inspect.hlo"]
+
+
 def test_only_the_flax_adapters_import_flax():
     # how Linen and NNX calls are caught and their state split lives in zerojax/flax; the
     # engine, the collectives and the measurement know only pytrees (zerojax/models are examples)

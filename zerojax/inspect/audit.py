@@ -29,11 +29,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from zerojax.inspect.hlo import arrays_bytes, collectives_in, runs
+from zerojax.inspect.hlo import Instruction, collectives_in, instruction, runs
 
 SMALL = 64 * 1024  # bytes: a collective below this mostly pays its latency
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-#]+)\s*=\s*(.*)$")
-_CALLEE = re.compile(r"(?:calls|to_apply|body)=%?([\w.\-]+)")
 _INDEX = re.compile(r"index=(\d+)")
 _PARAMETER = re.compile(r"parameter\((\d+)\)")
 _DIMENSION = re.compile(r"dimensions=\{(\d+)\}")
@@ -43,26 +41,6 @@ RELAYOUTS = frozenset({"transpose", "copy", "slice", "concatenate"})
 PLUMBING = frozenset({"parameter", "constant", "bitcast", "reshape", "broadcast", "tuple"})
 GATHERS = frozenset({"all-gather", "all-gather-start"})
 REDUCTIONS = frozenset({"reduce-scatter", "all-reduce", "all-reduce-start", "all-to-all"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One line of an HLO computation: what it defines, from what."""
-
-    name: str
-    result: str  # its result type, as printed
-    opcode: str
-    operands: tuple[str, ...]
-    line: str
-
-    @property
-    def bytes(self) -> int:
-        return sum(b for _, b in arrays_bytes(self.result))
-
-    @property
-    def callee(self) -> str | None:
-        m = _CALLEE.search(self.line)
-        return m.group(1) if m else None
 
 
 def _number(pattern: re.Pattern, line: str) -> int:
@@ -80,32 +58,6 @@ def splits_rows(instr: Instruction) -> bool:
     if k <= 0 or not shapes:
         return True
     return all(int(d) == 1 for d in shapes[0].split(",")[:k])
-
-
-def _closing(text: str, start: int) -> int:
-    """The index of the parenthesis closing the one at `text[start]`."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    return len(text)
-
-
-def _parse(line: str) -> Instruction | None:
-    """One HLO instruction line: `%name = type opcode(operands), attributes`."""
-    m = _INSTRUCTION.match(line)
-    if not m:
-        return None
-    name, rhs = m.groups()
-    end = _closing(rhs, 0) + 1 if rhs.startswith("(") else rhs.find(" ")  # a tuple, an array
-    result, rest = rhs[:end], rhs[end:].lstrip()
-    op = re.match(r"([\w\-]+)\(", rest)
-    if not op:
-        return None
-    args = rest[op.end() : _closing(rest, op.end() - 1)]
-    operands = tuple(re.findall(r"%([\w.\-#]+)", args))
-    return Instruction(name, result, op.group(1), operands, line)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +79,7 @@ class _Module:
     def __init__(self, hlo_text: str):
         lines, self.times = runs(hlo_text)
         self.comps = {
-            comp: {i.name: i for i in map(_parse, body) if i is not None}
+            comp: {i.name: i for i in map(instruction, body) if i is not None}
             for comp, body in lines.items()
         }
         self.caller: dict[str, tuple[str, Instruction]] = {}  # body or callee: (comp, instr)

@@ -8,6 +8,7 @@ compiled programs with it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -21,7 +22,7 @@ _OP = re.compile(
     + "|".join(COLLECTIVES)
     + r")(?P<start>-start)?\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
 )
-_ARRAY = re.compile(rf"\b({_DTYPE})\[([\d,]*)\]")
+ARRAY = re.compile(rf"\b({_DTYPE})\[([\d,]*)\]")  # an array type: (dtype, dims)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ def arrays_bytes(text: str):
     """(dtype, bytes) of every array type in an HLO shape string."""
     return [
         (dt, int(math.prod(int(d) for d in dims.split(",") if d) * _itemsize(dt)))
-        for dt, dims in _ARRAY.findall(text)
+        for dt, dims in ARRAY.findall(text)
     ]
 
 
@@ -130,8 +131,6 @@ def start_outputs(result: str, kind: str) -> str:
 
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
-_CALLS = re.compile(r"(?:calls|to_apply|branch_computations)=\{?%?([\w.\-]+(?:, %?[\w.\-]+)*)")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
@@ -176,15 +175,14 @@ def runs(hlo_text: str) -> tuple[dict[str, list[str]], dict[str, int]]:
     def walk(comp: str, times: int, seen: tuple) -> None:
         counts[comp] = counts.get(comp, 0) + times
         for line in computations.get(comp, []):
-            loop = _WHILE.search(line)
-            if loop and loop.group(2) not in seen:
-                trips = trip_count(line, computations.get(loop.group(1), []))
-                walk(loop.group(2), times * trips, seen + (comp,))
+            loop = while_parts(line)
+            if loop and loop[1] not in seen:
+                trips = trip_count(line, computations.get(loop[0], []))
+                walk(loop[1], times * trips, seen + (comp,))
                 continue
-            for m in _CALLS.finditer(line):
-                for callee in re.split(r",\s*%?", m.group(1)):
-                    if callee in computations and callee not in seen:
-                        walk(callee, times, seen + (comp,))
+            for callee in callees(line, ("calls", "to_apply", "branch_computations")):
+                if callee in computations and callee not in seen:
+                    walk(callee, times, seen + (comp,))
 
     walk(entry, 1, ())
     return computations, counts
@@ -213,8 +211,6 @@ def parse_collectives(
     ]
 
 
-_NAME = r"[\w.\-#]+"  # `#i` names element i of a tuple-valued instruction (shardy's modules)
-_DEFINES = re.compile(rf"^\s*(?:ROOT\s+)?%?({_NAME})\s*=\s*(.*)$")
 # a matmul's operands: the names before its first attribute (`lhs_contracting_dims=`, ...)
 _MATMUL = re.compile(r"\s(dot|convolution)\(([^=]*)")
 
@@ -243,12 +239,12 @@ def _shapes(lines: list[str]) -> dict[str, list[int]]:
             continue
         name, rhs = m.groups()
         if not rhs.startswith("("):
-            if array := _ARRAY.match(rhs):
+            if array := ARRAY.match(rhs):
                 shapes[name] = _dims(array.group(2))
             continue
         elements = re.sub(r"\{[^}]*\}|/\*.*?\*/", "", _tuple_type(rhs))  # no layouts, comments
         if "(" not in elements:  # flat
-            for i, (_, dims) in enumerate(_ARRAY.findall(elements)):
+            for i, (_, dims) in enumerate(ARRAY.findall(elements)):
                 shapes[f"{name}#{i}"] = _dims(dims)
     return shapes
 
@@ -282,3 +278,96 @@ def matmul_flops(hlo_text: str) -> float:
                 per_output = math.prod(rhs) // rhs[labels.group(1).index("o")] if labels else 0
             total += 2 * math.prod(shapes[out.group(1)]) * per_output * times
     return total
+
+
+# ---- the one instruction grammar every reader of HLO text in inspect/ uses -------------------
+_NAME = r"[\w.\-#]+"  # `#i` names element i of a tuple-valued instruction (shardy's modules)
+_DEFINES = re.compile(rf"^\s*(?:ROOT\s+)?%?({_NAME})\s*=\s*(.*)$")
+_WHILE = re.compile(r"\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+CALLING = ("calls", "to_apply", "body", "condition", "branch_computations")
+
+
+def defines(line: str) -> tuple[str, str] | None:
+    """(name, right-hand side) of an instruction line, None for any other line."""
+    m = _DEFINES.match(line)
+    return (m.group(1), m.group(2)) if m else None
+
+
+@functools.cache
+def _calling(attrs: tuple) -> re.Pattern:
+    return re.compile(rf"(?:{'|'.join(attrs)})=\{{?%?([\w.\-]+(?:, %?[\w.\-]+)*)")
+
+
+def callees(line: str, attrs: tuple = CALLING) -> list[str]:
+    """The computations an instruction line names in `attrs` (fusion and call `calls`, a
+    reduction's `to_apply`, a while's `condition` and `body`, a conditional's branches), in
+    the order written."""
+    return [c for m in _calling(attrs).finditer(line) for c in re.split(r",\s*%?", m.group(1))]
+
+
+def while_parts(line: str) -> tuple[str, str] | None:
+    """(condition, body) of a while instruction line, None for any other line."""
+    m = _WHILE.search(line)
+    return (m.group(1), m.group(2)) if m else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One line of an HLO computation: what it defines, from what."""
+
+    name: str
+    result: str  # its result type, as printed
+    opcode: str
+    operands: tuple[str, ...]
+    line: str
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in arrays_bytes(self.result))
+
+    @property
+    def callee(self) -> str | None:
+        """The computation it runs: a while's body, else what it calls or applies."""
+        loop = while_parts(self.line)
+        if loop is not None:
+            return loop[1]
+        found = callees(self.line, ("calls", "to_apply"))
+        return found[0] if found else None
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis closing the one at `text[start]`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    return len(text)
+
+
+def split_result(rhs: str) -> tuple[str, str]:
+    """(result type, the rest: `opcode(operands), attributes`) of an instruction's right-hand
+    side: a tuple type up to its closing parenthesis, an array type up to the first space."""
+    end = _closing(rhs, 0) + 1 if rhs.startswith("(") else rhs.find(" ")
+    return rhs[:end], rhs[end:].lstrip()
+
+
+def opcode(rhs: str) -> str:
+    """The opcode of an instruction's right-hand side, '' when it has none."""
+    m = re.match(r"([\w\-]+)\(", split_result(rhs)[1])
+    return m.group(1) if m else ""
+
+
+def instruction(line: str) -> Instruction | None:
+    """One HLO instruction line: `%name = type opcode(operands), attributes`."""
+    found = defines(line)
+    if not found:
+        return None
+    name, rhs = found
+    result, rest = split_result(rhs)
+    op = re.match(r"([\w\-]+)\(", rest)
+    if not op:
+        return None
+    args = rest[op.end() : _closing(rest, op.end() - 1)]
+    operands = tuple(re.findall(r"%([\w.\-#]+)", args))
+    return Instruction(name, result, op.group(1), operands, line)

@@ -22,6 +22,7 @@ import os
 import re
 
 from zerojax.comm.flat import COPY_OUT
+from zerojax.inspect.hlo import ARRAY, defines, while_parts
 
 CATEGORIES = (
     "parameters",
@@ -44,10 +45,8 @@ CATEGORIES = (
 _PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"^\s*([\w.\-]+)\{([\d,]*)\}: (\d+) bytes")
 _SEQUENCE = re.compile(r"^\s*(\d+):([\w.\-]+)$")
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*)$")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
-_ARRAY = re.compile(r"(pred|bf16|[suf]\d+)\[([\d,]*)\]")
 _GATHER = ("all-gather", "all_gather")
 _REDUCE = ("all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _REDUCE_NAMES = ("reduce_scatter", "psum_scatter", "psum", "all_to_all", "ppermute")
@@ -233,13 +232,13 @@ class _Module:
                 entry = line.startswith("ENTRY")
                 computation = line.split()[1 if entry else 0].lstrip("%")
                 continue
-            m = _DEF.match(line)
-            if not m:
+            found = defines(line)
+            if not found:
                 continue
-            shape, after = _split_shape(m.group(2))
+            shape, after = _split_shape(found[1])
             opcode, _, args = after.partition("(")
             op_name, frame = _OP_NAME.search(after), _FRAME.search(after)
-            name, opcode = m.group(1), opcode.strip()
+            name, opcode = found[0], opcode.strip()
             self.defs[name] = (
                 shape,
                 opcode,
@@ -252,8 +251,8 @@ class _Module:
                     self.entry_parameters.append(name)
                 else:
                     self.loop_of[name] = computation  # resolved to a loop below
-            if opcode == "while" and (body := re.search(r"body=%?([\w.\-]+)", after)):
-                bodies[body.group(1)] = name
+            if opcode == "while" and (loop := while_parts(line)):
+                bodies[loop[1]] = name
         self.loop_of = {p: bodies[c] for p, c in self.loop_of.items() if c in bodies}
         self.entry_set = set(self.entry_parameters)
 
@@ -333,7 +332,7 @@ def _one_name(op_name: str) -> str:
 
 def _bytes(shape: str) -> int:
     """Bytes of an HLO array shape ('bf16[4,8]{1,0}')."""
-    m = _ARRAY.match(shape)
+    m = ARRAY.match(shape)
     if not m:
         return 0
     width = 1 if m.group(1) == "pred" else int(re.sub(r"\D", "", m.group(1))) // 8 or 1
@@ -370,7 +369,7 @@ def _element(shape: str, index: str) -> str:
 
 
 def _dims(shape: str) -> tuple | None:
-    m = _ARRAY.fullmatch(shape)
+    m = ARRAY.fullmatch(shape)
     return tuple(int(d) for d in m.group(2).split(",") if d) if m else None
 
 

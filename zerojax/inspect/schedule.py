@@ -24,16 +24,16 @@ from zerojax.inspect.hlo import (
     COLLECTIVES,
     Collective,
     arrays_bytes,
+    callees,
     collectives_in,
+    defines,
+    opcode,
     split_computations,
     trip_count,
     tuple_elements,
+    while_parts,
 )
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_OPNAME = re.compile(r"\s([a-z][a-z0-9_\-]*)\(")
-_CALLEE = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%?([\w.\-]+)")
-_WHILE = re.compile(r"condition=%?([\w.\-]+), body=%?([\w.\-]+)")
 _MATMUL = ("dot", "convolution")
 # XLA:GPU's library matmuls: cuBLAS(Lt) gemms and cuDNN convolutions / fused gemms
 _LIBRARY_MATMUL = re.compile(r'custom_call_target="__(cublas|cudnn)\$')
@@ -69,12 +69,6 @@ def launches(scheduled: list[Scheduled]) -> list[tuple[str, int]]:
     return out
 
 
-def _op(text: str) -> str:
-    """The opcode of an instruction's right-hand side (after its result type)."""
-    m = _OPNAME.search(" " + text)
-    return m.group(1) if m else ""
-
-
 def scheduled_collectives(hlo_text: str, num_devices: int, local: int | None = None):
     """Every collective the scheduled module runs (once per loop iteration), each marked
     overlapped or exposed."""
@@ -95,12 +89,12 @@ class _ScheduleReader:
         return collectives_in(line, self.num_devices, self.local)
 
     def callees(self, line: str) -> list[str]:
-        return [c for c in _CALLEE.findall(line) if c in self.comps]
+        return [c for c in callees(line) if c in self.comps]
 
     def _has_matmul(self, comp: str) -> bool:
         for line in self.comps.get(comp, ()):
-            m = _INSTR.match(line)
-            if m and self.is_matmul(line, _op(m.group(2))):
+            found = defines(line)
+            if found and self.is_matmul(line, opcode(found[1])):
                 return True
         return False
 
@@ -139,11 +133,11 @@ class _ScheduleReader:
         pending: dict[str, list[Collective]] = {}  # started, not done: by start name
         beside_matmul: set[str] = set()  # of those, the ones a matmul was scheduled after
         for line in self.comps.get(comp, ()):
-            m = _INSTR.match(line)
-            if not m:
+            found = defines(line)
+            if not found:
                 continue
-            name, rhs = m.groups()
-            op = _op(rhs)
+            name, rhs = found
+            op = opcode(rhs)
             if op == "copy-start" and _HOST_SPACE in rhs:
                 pending[name] = [_transfer(rhs)]
                 continue
@@ -174,10 +168,10 @@ class _ScheduleReader:
                 if not callee.startswith("async_collective")
                 for s in self.fused(callee)
             ]
-        loop = _WHILE.search(rhs) if op == "while" else None
-        if loop and loop.group(2) not in seen:
-            trips = trip_count(line, self.comps.get(loop.group(1), []))
-            return self.walk(loop.group(2), seen + (comp,)) * trips
+        loop = while_parts(line) if op == "while" else None
+        if loop and loop[1] not in seen:
+            trips = trip_count(line, self.comps.get(loop[0], []))
+            return self.walk(loop[1], seen + (comp,)) * trips
         if op in ("call", "conditional"):
             return [
                 s
