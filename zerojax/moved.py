@@ -64,8 +64,8 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         )
         target = importlib.import_module(new)
         stand_in = types.ModuleType(spec.name, target.__doc__)
-        stand_in.__getattr__ = lambda name: getattr(target, name)  # type: ignore[method-assign]
-        stand_in.__dir__ = lambda: dir(target)  # type: ignore[method-assign]
+        stand_in.__getattr__ = lambda name: getattr(target, name)
+        stand_in.__dir__ = lambda: dir(target)
         return stand_in
 
     def exec_module(self, module):

@@ -244,16 +244,23 @@ class ZeroShard:
             )
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
-        options = {"batch_argnum": batch_argnum, "static_argnums": tuple(static_argnums)}
+        statics = tuple(static_argnums)
 
         def compile_and_report(keep_gathered: tuple, args: tuple):
             """memory_budget's trial: the step with `keep_gathered`, and its report."""
             config = self.config.replace(memory_budget=0, keep_gathered=keep_gathered)
             variant = ZeroShard(config, self.mesh)
-            step = variant(step_fn, **options)
+            step = variant(step_fn, batch_argnum=batch_argnum, static_argnums=statics)
             return step, variant.report(step, *args)
 
-        return ZeroStep(self.placement, step_fn, self.layout, fit=compile_and_report, **options)
+        return ZeroStep(
+            self.placement,
+            step_fn,
+            self.layout,
+            batch_argnum=batch_argnum,
+            static_argnums=statics,
+            fit=compile_and_report,
+        )
 
     def load_safetensors(self, state: PyTree, path: str, *, names=None, transpose=None) -> PyTree:
         """`state` with its parameters read from a Hugging Face style safetensors file, each

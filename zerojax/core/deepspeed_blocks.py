@@ -18,9 +18,9 @@ HF_DEFAULTS = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "warmup_
 _BASE = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 _ADAM = {**_BASE, "adam_w_mode": True}
 _ADAM_FIXED = {"bias_correction": True, "amsgrad": False, "torch_adam": None}
-# type: (DeepSpeed's defaults for its params (betas -> b1, b2), params accepted only at the value
-# DeepSpeed uses by default)
-OPTIMIZER_PARAMS = {
+# per optimizer type: (DeepSpeed's defaults for its params (betas -> b1, b2), params accepted only
+# at the value DeepSpeed uses by default)
+OPTIMIZER_PARAMS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "adam": (_ADAM, _ADAM_FIXED),
     "adamw": (_ADAM, _ADAM_FIXED),
     "lamb": (
@@ -46,7 +46,8 @@ NAMES = {
 COMPRESSED = {"onebitadam": "Adam", "zerooneadam": "Adam", "onebitlamb": "Lamb"}
 
 
-SCHEDULER_PARAMS = {  # type: DeepSpeed's defaults for its params
+# per scheduler type: DeepSpeed's defaults for its params
+SCHEDULER_PARAMS: dict[str, dict[str, Any]] = {
     "WarmupLR": {
         "warmup_min_lr": 0.0,
         "warmup_max_lr": 1e-3,

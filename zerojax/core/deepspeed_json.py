@@ -358,7 +358,9 @@ class _Reading:
             if entry.kind == IGNORED:
                 self.rows.append(Row(name, IGNORED, entry.why))
                 continue
-            sets = handle(key, name, value) if handle else entry.act(name, value)
+            read = handle or entry.act
+            assert read is not None, f"{name}: an ACTS key reads its value"
+            sets = read(key, name, value) if handle else read(name, value)
             self.options.update(sets)
             what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or (
                 "(its keys: above)" if isinstance(value, Mapping) else "(read with its block)"
@@ -384,7 +386,7 @@ class _Reading:
             return {"gradient_clipping": self.defaults.get("gradient_clipping", 0.0)}
         if key == "data_types":
             return self.data_types(name, value)
-        return TOP_LEVEL[key].act(name, value)
+        return _act(TOP_LEVEL[key], name, value)
 
     def data_types(self, name, value) -> dict:
         _section(name, value)
@@ -407,7 +409,7 @@ class _Reading:
         if value == AUTO:  # HF's "auto": zerojax's default, reported
             option = entry.why.split()[0]
             return {option: self.defaults[option]} if option in self.defaults else {}
-        return entry.act(name, value)
+        return _act(entry, name, value)
 
     def precision(self, key, name, value) -> dict:
         """The fp16 / bf16 block: enabled (true, false, or "auto": on when the `precision`
@@ -435,6 +437,12 @@ class _Reading:
             raise ZeroError(f"{name} sets {', '.join(scaling)} but is not enabled.")
         self.walk(rest, table, name + ".")
         return {}
+
+
+def _act(entry: Key, name: str, value) -> dict:
+    """The options an ACTS key sets."""
+    assert entry.act is not None, f"{name}: an ACTS key reads its value"
+    return entry.act(name, value)
 
 
 def _sections() -> dict[str, Mapping]:

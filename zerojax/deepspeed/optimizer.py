@@ -105,14 +105,14 @@ class Optimizer:
 
 OPTIMIZERS = {
     name: Optimizer(factory, *OPTIMIZER_PARAMS[name])
-    for name, factory in {
-        "adam": _adam,
-        "adamw": _adam,
-        "lamb": _lamb,
-        "lion": _lion,
-        "sgd": _sgd,
-        "muon": _muon,
-    }.items()
+    for name, factory in dict[str, Callable](
+        adam=_adam,
+        adamw=_adam,
+        lamb=_lamb,
+        lion=_lion,
+        sgd=_sgd,
+        muon=_muon,
+    ).items()
 }
 
 

@@ -78,7 +78,7 @@ class Site:
     comm: Comm
     policy: UnitPolicy
     layout: StateLayout
-    batch_rows: frozenset
+    batch_rows: set
     log: TraceLog
 
 

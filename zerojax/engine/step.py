@@ -58,7 +58,7 @@ class ZeroStep:
         # the device: a weak reference to that state's counter (never to the state itself)
         self._last_micro: weakref.ref | None = None
         self._next_micro, self._min_scale_flag = 0, None
-        self._nonfinite_flag = None  # (skipped?, step, skipped so far) of the last update
+        self._nonfinite_flag: tuple | None = None  # (skipped?, step, skipped so far), last update
         self._fitted: ZeroStep | None = None  # memory_budget: the step chosen to fit it
         self.budget = None  # memory_budget: the BudgetChoice made at the first call
         functools.update_wrapper(self, fn)
@@ -237,7 +237,7 @@ class ZeroStep:
             name=getattr(self.fn, "__name__", "the step"),
             layout=layout,
             shardings=layout.shardings(self.placement.mesh),
-            batch_rows=frozenset(rows),
+            batch_rows=rows,
             micro=micro,
             log=TraceLog(),
             objects=call.state.objects,

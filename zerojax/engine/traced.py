@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from contextlib import AbstractContextManager
 
 import jax
 import jax.numpy as jnp
@@ -84,9 +85,12 @@ def traced_global(v: Variant, state, batch, extra: tuple):
             "the step."
         )
     # a Linen model the step applies itself (a closure's model.apply) is hooked too
-    hooked = linen_calls_hooked(hook, v.batch_rows) if v.explicit else contextlib.nullcontext()
+    hooked: AbstractContextManager = contextlib.nullcontext()
+    if v.explicit:
+        hooked = linen_calls_hooked(hook, v.batch_rows)
     update = functools.partial(_managed_update, v)
-    with updating(update) if managed else contextlib.nullcontext([]) as updates, hooked:
+    capturing: AbstractContextManager = updating(update) if managed else contextlib.nullcontext([])
+    with capturing as updates, hooked:
         out = v.fn((view,), batch, *extra)
     new_state, rest = split_output(out, state)
     if original is not None:
@@ -128,13 +132,18 @@ def traced_objects(v: Variant, state, batch, extra: tuple):
     """NNX objects: `fn(objects, batch, *extra)` on objects merged from the placed dict
     state; their calls on the batch run through the per-device hook, and a managed update is
     applied as for a TrainState (`flax.nnx_managed`)."""
-    objs = v.objects.merge(state)
+    objects = v.objects
+    assert objects is not None, "the NNX body runs for NNX objects"
+    objs = objects.merge(state)
     managed = _managed_objects(v, objs, state) if v.update.manages else None
-    hooked = contextlib.nullcontext()
+    hooked: AbstractContextManager = contextlib.nullcontext()
     if v.explicit:
         hook = hook_for(v, managed and managed.scale)
-        hooked = nnx_calls_hooked(hook, v.batch_rows, objs, v.objects.prefixes)
-    with hooked, updating(managed.update) if managed else contextlib.nullcontext([]) as updates:
+        hooked = nnx_calls_hooked(hook, v.batch_rows, objs, objects.prefixes)
+    capturing: AbstractContextManager = contextlib.nullcontext([])
+    if managed:
+        capturing = updating(managed.update)
+    with hooked, capturing as updates:
         out = _call_objects(v, objs, batch, extra)
     if managed and v.update.uses_16bit and not v.log.hooked:
         why = fallback_reason(v.explicit, v.name)
@@ -146,7 +155,7 @@ def traced_objects(v: Variant, state, batch, extra: tuple):
     if managed:
         one_capture(updates)
         managed.finish()
-    new = v.objects.to_state(objs)
+    new = objects.to_state(objs)
     if not v.micro:
         new = {**new, PARAMS: _split_like_master(new[PARAMS], v.shardings)}
     return to_storage(new, v.shardings), out
@@ -210,6 +219,7 @@ def host_optimizer(v: Variant, params, inner=None):
     if not v.update.on_host or v.micro:
         return None
     mesh, opt = v.placement.mesh, zero_opt_state(v.shardings)
+    assert opt is not None, "a host update is a managed one: its state holds a ZeroOptState"
     stored = v.shardings[PARAMS] if isinstance(v.shardings, dict) else v.shardings.params
     grads = jax.tree_util.tree_map(
         lambda spec: NamedSharding(mesh, spec),

@@ -27,7 +27,7 @@ class Variant:
     name: str  # the user's step, as errors name it
     layout: StateLayout
     shardings: Any
-    batch_rows: frozenset
+    batch_rows: set
     micro: bool
     log: TraceLog
     objects: NnxLayout | None = None

@@ -142,8 +142,8 @@ class _ScheduleReader:
                 pending[name] = [_transfer(rhs)]
                 continue
             if op.endswith("-start") or name.startswith("async-collective-start"):
-                if found := self.started(line):
-                    pending[name] = found
+                if started := self.started(line):
+                    pending[name] = started
                     continue
             if (key := _done_of(name, op, rhs)) in pending:
                 out += _each(pending.pop(key), key in beside_matmul)
