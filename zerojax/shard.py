@@ -56,10 +56,8 @@ class ZeroShard:
         self.axis_size = self.comm.data_size  # devices that split the batch
         self.shard_size = self.comm.shard_size  # devices that split the state
         self.config = self.placement.config
-        # a pure cache of `layout`, keyed by structure, and the causes this zero has warned
-        # about (each once, the placement's); nothing else is kept between calls
+        # a pure cache of `layout`, keyed by structure; nothing else is kept between calls
         self._layouts: dict[tuple, StateLayout] = {}
-        self.warned = self.placement.warned
         idle = inert_options(config, self.placement)
         if idle:
             warn(
@@ -71,6 +69,11 @@ class ZeroShard:
                 + ". Leave them at their defaults, or change what they depend on.",
                 self.warned,
             )
+
+    @property
+    def warned(self) -> set:
+        """The causes this zero has warned about, each said once (its placement's)."""
+        return self.placement.warned
 
     def __repr__(self):
         return f"ZeroShard(stage={self.config.stage}, mesh={dict(self.mesh.shape)})"

@@ -13,6 +13,7 @@ table and `compiler.get_compile_options`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import numpy as np
@@ -68,8 +69,9 @@ def on_cpu_twin(zero, step, args: tuple):
         axis_types=gpu_mesh.axis_types,
     )
     twin = type(zero)(zero.config, mesh)
-    twin.warned = zero.warned  # what the GPU zero said is not said twice
-    twin_step = type(step)(twin, step.fn, step.batch_argnum, step.static_argnums)
+    # what the GPU zero said is not said twice: the twin's placement shares what it warned
+    twin.placement = dataclasses.replace(twin.placement, warned=zero.warned)
+    twin_step = twin(step.fn, batch_argnum=step.batch_argnum, static_argnums=step.static_argnums)
     call = split_call(args, step.batch_argnum, step.static_argnums)
     if call.state.objects is not None:
         raise ZeroError(
