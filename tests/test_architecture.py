@@ -341,6 +341,34 @@ def test_the_trace_scope_nests_and_restores():
     assert current() is OUTSIDE
 
 
+def test_zero_error_comes_from_core_errors():
+    # not through core.config (which made everything depend on the DeepSpeed reader)
+    sources = [
+        (m, t) for m, edges in _imports().items() for t, name in edges if name == "ZeroError"
+    ]
+    assert sources and {t for _, t in sources} == {"zerojax.core.errors"}, sources
+
+
+def test_the_paths_a_release_documented_still_import():
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "import zerojax as zj\n"
+        "try:\n"
+        "    import zerojax.launch\n"
+        "except zj.ZeroWarning as e:\n"
+        "    assert 'zerojax.commands.launch' in str(e), e\n"
+        "warnings.simplefilter('ignore')\n"
+        "import zerojax.launch\n"
+        "assert zerojax.launch.initialize is zj.initialize\n"
+        "from zerojax.hlo import matmul_flops\n"
+        "from zerojax.engine.optim import ZeroOptState\n"
+        "from zerojax.deepspeed.reader import options_from_deepspeed\n"
+        "import zerojax.inspect.hlo as hlo; assert matmul_flops is hlo.matmul_flops\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_one_hlo_instruction_grammar():
     # inspect/ reads HLO text through inspect/hlo.py alone: what an instruction line is (its
     # name, result type, opcode, operands), which computations it calls, a while's parts
