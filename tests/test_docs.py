@@ -1,5 +1,5 @@
 """The docs are true to the code: the reference tables are the ones zerojax/core/reference.py
-generates from ZeroConfig and zerojax/core/deepspeed_json.py (rewrite them with
+generates from ZeroConfig and zerojax/core/deepspeed_keys.py (rewrite them with
 `ZEROJAX_UPDATE_DOCS=1 pytest tests/test_docs.py`), every relative link resolves, and nothing
 points outside the repository."""
 

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from zerojax.core.config_files import read_config
-from zerojax.core.deepspeed_json import batch_sizes, choice, offload_device, options_from_deepspeed
+from zerojax.core.deepspeed_json import options_from_deepspeed
+from zerojax.core.deepspeed_keys import batch_sizes, choice, offload_device
 from zerojax.core.errors import ZeroError, nearest
 
 __all__ = ["ZeroConfig", "resolve_config"]
