@@ -3,7 +3,7 @@ reduced as soon as backward leaves it (stages 1-3).
 
 Which modules are units is decided in `zerojax.flax.units`; this module runs one.
 Inside a zerojax stage-3 step a unit receives its parameters as this device's shards and runs
-through `layer_call`, a custom VJP: forward all-gathers the weights, runs the layer and keeps
+through `LayerCall`, a custom VJP: forward all-gathers the weights, runs the layer and keeps
 its activations (the outputs of its matmuls and other non-elementwise operations, never its
 weights; backward redoes elementwise work, re-layouts and casts from them: no matmul is
 computed twice); backward all-gathers the weights again, runs the layer's backward,
