@@ -80,9 +80,7 @@ class _Reading:
             if entry.kind == IGNORED:
                 self.rows.append(Row(name, IGNORED, entry.why))
                 continue
-            read = handle or entry.act
-            assert read is not None, f"{name}: an ACTS key reads its value"
-            sets = read(key, name, value) if handle else read(name, value)
+            sets = handle(key, name, value) if handle else _act(entry, name, value)
             self.options.update(sets)
             what = ", ".join(f"{k}={v!r}" for k, v in sets.items()) or (
                 "(its keys: above)" if isinstance(value, Mapping) else "(read with its block)"

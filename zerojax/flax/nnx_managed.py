@@ -25,12 +25,12 @@ from zerojax.flax.nnx_calls import with_params
 from zerojax.update.managed import (
     UpdateCall,
     ZeroTx,
-    cast_floating,
     managed_update,
     prepare_state,
     present,
     settle,
 )
+from zerojax.update.transforms import cast_floating
 
 BUFFERS = "zerojax"  # the optimizer attribute holding the ZeroBuffers variable
 
