@@ -36,9 +36,26 @@ def slow(*cases):
     ]
 
 
+def run_dtype():
+    """The dtype test models are built in: float64 under the `x64` fixture, else float32."""
+    return np.float64 if jax.config.jax_enable_x64 else np.float32
+
+
+def run_rtol() -> float:
+    """The relative bound for losses compared in this run's dtype (see "Parity" below)."""
+    return EXACT_RTOL if jax.config.jax_enable_x64 else PARITY_RTOL
+
+
+def in_run_dtype(state):
+    """`state` in float64 under the `x64` fixture (the exactness checks' dtype), else as it is:
+    how the common model's helpers below start every run."""
+    return in_float64(state) if jax.config.jax_enable_x64 else state
+
+
 def make_init(tx, model=MODEL, cfg=CFG):
     def init_fn(key):
         params = model.init(key, jnp.zeros((1, cfg.seq_len), jnp.int32))["params"]
+        params = in_run_dtype(params)
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
 
     return init_fn
@@ -51,14 +68,17 @@ _init_params = jax.jit(
 
 
 def initial_state(tx, key=0):
-    """What `make_init(tx)(jax.random.key(key))` creates, from MODEL's parameters computed once
-    per process and kept on the host (numpy: no step can donate them). Tests that do not test
-    `zero.init` start from it with `zero.shard` (one cheap placement) instead of compiling an
-    init program per configuration; test_parity's stage sweep checks `zero.init` itself."""
-    if key not in _INITIAL_PARAMS:
+    """What `make_init(tx)(jax.random.key(key))` creates (float64 under the `x64` fixture), from
+    MODEL's parameters computed once per process and kept on the host (numpy: no step can
+    donate them). Tests that do not test `zero.init` start from it with `zero.shard` (one
+    cheap placement) instead of compiling an init program per configuration; test_parity's
+    stage sweep checks `zero.init` itself."""
+    cached = (key, jax.config.jax_enable_x64)  # some initializers draw float64 under x64
+    if cached not in _INITIAL_PARAMS:
         params = _init_params(jax.random.key(key))
-        _INITIAL_PARAMS[key] = jax.tree_util.tree_map(np.asarray, params)
-    return train_state.TrainState.create(apply_fn=MODEL.apply, params=_INITIAL_PARAMS[key], tx=tx)
+        _INITIAL_PARAMS[cached] = jax.tree_util.tree_map(np.asarray, params)
+    params = in_run_dtype(_INITIAL_PARAMS[cached])
+    return train_state.TrainState.create(apply_fn=MODEL.apply, params=params, tx=tx)
 
 
 _HOST_STATES: dict = {}
@@ -94,25 +114,8 @@ def batches(n_steps, batch_size=16, cfg=CFG, seed=0):
     return out
 
 
-def train_single_device(tx, data, key=0):
-    """Plain optax training on one device: the reference every stage must match."""
-    state = jax.device_put(initial_state(tx, key), jax.devices()[0])
-    step = jax.jit(train_step)
-    losses = []
-    for batch in data:
-        state, metrics = step(state, jax.device_put(batch, jax.devices()[0]))
-        losses.append(float(metrics["loss"]))
-    return state, losses
-
-
-def train_zero(zero, tx, data, key=0, via_init=False):
-    """`zero` training from `initial_state(tx, key)` placed by `zero.shard`, or with
-    via_init=True created by `zero.init` (sharded from the start)."""
-    if via_init:
-        state = zero.init(make_init(tx), jax.random.key(key))
-    else:
-        state = zero.shard(initial_state(tx, key))
-    step = zero(train_step)
+def train(step, state, data):
+    """(the state after `step` on each batch of `data`, the losses)."""
     losses = []
     for batch in data:
         state, metrics = step(state, batch)
@@ -120,18 +123,68 @@ def train_zero(zero, tx, data, key=0, via_init=False):
     return state, losses
 
 
-# Parity tolerance, per leaf, in L2 norm: ||got - want|| <= PARITY_RTOL * ||want|| +
-# PARITY_ATOL * sqrt(size), i.e. within 1e-5 of the leaf's norm or within an RMS difference
-# of 1e-6 (the second bound is for leaves that start at zero, such as biases, whose norm after
-# a few steps is only a few lr-sized updates). Why norms and not element by element: float32
-# sums taken in another order (another device count, another CPU's vector width) move each
-# gradient element by ~1e-7 relative, and Adam divides by sqrt(v) + eps, so an element whose
-# gradient is ~0 can turn that into an update that differs by ~1e-5 relative on its own (one
-# element of 2048 was 3.2e-6 off after 6 steps on an AMD machine), while a whole leaf stays
-# within ~1e-6 of its norm on every CPU we tried. A broken reduction (a device's gradient
-# dropped, a missing 1/N under SGD) moves whole leaves by 1e-2 and more: tests/test_parity.py
-# checks that such mutations fail these assertions.
+def train_single_device(tx, data, key=0, start=None):
+    """Plain optax training on one device from `start` (default `initial_state(tx, key)`):
+    the reference every stage must match."""
+    one = jax.devices()[0]
+    state = jax.device_put(initial_state(tx, key) if start is None else start, one)
+    step = jax.jit(train_step)
+    return train(lambda s, batch: step(s, jax.device_put(batch, one)), state, data)
+
+
+def train_zero(zero, tx, data, key=0):
+    """`zero` training from `initial_state(tx, key)` placed by `zero.shard`."""
+    return train(zero(train_step), zero.shard(initial_state(tx, key)), data)
+
+
+# Parity (CONTRIBUTING.md, "What the parity tests assert"): per leaf, in L2 norm,
+# ||got - want|| <= rtol * ||want|| + atol * sqrt(size), the bound chosen by `want`'s dtype.
+# - float64: "exact up to reduction order". Data parallelism sums a gradient in another order
+#   than one device does; Adam (dividing by sqrt(v) + eps) can turn that rounding into
+#   lr-sized differences where a gradient is ~0, and how much a CPU makes depends on its
+#   kernels (fp32: ~1e-6 of a leaf's norm on the CPUs first tried, 2.7e-5 on a Xeon with
+#   AMX). In float64 the same noise is ~1e-15 (2e-15..6e-15 measured after 2 Adam steps, a
+#   plain jax.jit data-parallel step and zerojax against one device), and a broken reduction
+#   (a device's gradient dropped, a missing 1/N) moves whole leaves by 1e-2 and more:
+#   EXACT_RTOL = 1e-10 sits five orders of magnitude from each. Run a test in float64 with the
+#   `x64` fixture and `in_float64(state)`.
+# - float32: for what fp32 runs test (16-bit compute, fp32 master weights, quantization) and
+#   for published code that computes in float32 in places itself: within 1e-5 of the leaf's
+#   norm or an RMS difference of 1e-6 (the second for leaves that start at zero). Tests in
+#   float32 under Adam use eps=1e-5: it keeps reduction-order noise in gradients that are ~0
+#   (attention projections early in training) from becoming lr-sized steps; with eps=1e-8 any
+#   data-parallel run, stage 0 included, drifts ~3e-6 from one device after 10 steps.
+EXACT_RTOL, EXACT_ATOL = 1e-10, 1e-13
 PARITY_RTOL, PARITY_ATOL = 1e-5, 1e-6
+
+
+def _floating(x) -> bool:
+    return hasattr(x, "dtype") and np.issubdtype(np.dtype(x.dtype), np.floating)
+
+
+def in_float64(tree):
+    """`tree` with every floating array leaf in float64 (a state, a batch); the rest as it
+    is. Needs jax_enable_x64 (the `x64` fixture): without it JAX would keep float32."""
+    assert jax.config.jax_enable_x64, "in_float64 needs the x64 fixture (jax_enable_x64)"
+    return jax.tree_util.tree_map(lambda x: x.astype(np.float64) if _floating(x) else x, tree)
+
+
+def data_parallel_jit(fn, state_argnum=0, batch_argnum=1):
+    """`fn` as a plain jax.jit data-parallel step over all devices: the state replicated, the
+    batch split by rows, XLA's own all-reduce. It differs from one device only in reduction
+    order: what data parallelism may differ by, measured."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    jitted = jax.jit(fn)
+
+    def step(*args):
+        args = list(args)
+        args[state_argnum] = jax.device_put(args[state_argnum], replicated)
+        args[batch_argnum] = jax.device_put(args[batch_argnum], rows)
+        return jitted(*args)
+
+    return step
 
 
 def relative_l2(got, want) -> float:
@@ -141,10 +194,29 @@ def relative_l2(got, want) -> float:
     return float(diff / norm) if norm else float(diff)
 
 
-def assert_trees_close(got, want, rtol=PARITY_RTOL, atol=PARITY_ATOL):
-    """Every floating leaf of `got` within the L2 bound of PARITY_RTOL (`rtol` of `want`'s
-    norm, or an RMS difference of `atol`), integer leaves (step counts) equal; the trees must
-    have the same leaves."""
+def leaf_bound(want, rtol=None, atol=None) -> float:
+    """The L2 distance a leaf may be from `want`: by `want`'s dtype (float64 exact, others the
+    float32 bound) unless `rtol`/`atol` are given."""
+    exact = want.dtype == np.float64
+    rtol = rtol if rtol is not None else EXACT_RTOL if exact else PARITY_RTOL
+    atol = atol if atol is not None else EXACT_ATOL if exact else PARITY_ATOL
+    return float(rtol * np.linalg.norm(want.astype(np.float64)) + atol * np.sqrt(want.size))
+
+
+def _log_margin(name, dtype, diff, bound):
+    """With ZEROJAX_PARITY_LOG=FILE, one line per leaf checked: the test, the leaf, its dtype
+    and difference/bound (how close this CPU's noise comes to the bound: CONTRIBUTING.md)."""
+    if path := os.environ.get("ZEROJAX_PARITY_LOG"):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
+        ratio = diff / bound if bound else float(diff > 0)
+        with open(path, "a") as log:
+            log.write(f"{ratio:.3g}\t{dtype}\t{test}\t{name}\n")
+
+
+def assert_trees_close(got, want, rtol=None, atol=None):
+    """Every floating leaf of `got` within `leaf_bound` of `want`'s, integer leaves (step
+    counts) equal; the trees must have the same leaves, and a float64 `want` a float64 `got`
+    (a float64 run narrowed on the way is a bug, not noise)."""
     got_leaves = jax.tree_util.tree_flatten_with_path(got)[0]
     want_leaves = jax.tree_util.tree_leaves(want)
     assert len(got_leaves) == len(want_leaves), (len(got_leaves), len(want_leaves))
@@ -154,11 +226,13 @@ def assert_trees_close(got, want, rtol=PARITY_RTOL, atol=PARITY_ATOL):
         if not np.issubdtype(a.dtype, np.floating):
             np.testing.assert_array_equal(a, b, err_msg=name)
             continue
+        assert b.dtype != np.float64 or a.dtype == np.float64, f"{name}: {a.dtype}, not float64"
         diff = np.linalg.norm(a.astype(np.float64) - b.astype(np.float64))
-        bound = rtol * np.linalg.norm(b.astype(np.float64)) + atol * np.sqrt(a.size)
+        bound = leaf_bound(b, rtol, atol)
+        _log_margin(name, b.dtype, diff, bound)
         assert diff <= bound, (
             f"{name}: L2 difference {diff:.3g} > {bound:.3g} (relative L2 difference "
-            f"{relative_l2(a, b):.3g}, RMS {diff / np.sqrt(max(a.size, 1)):.3g})"
+            f"{relative_l2(a, b):.3g}, RMS {diff / np.sqrt(max(a.size, 1)):.3g}, {b.dtype})"
         )
 
 

@@ -12,6 +12,9 @@ if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # One persistent compilation cache per test session, inherited by the processes tests launch:
     # a restarted or second process (resume, multi-controller, CLI) loads what an earlier one
@@ -42,6 +45,7 @@ QUICK_MODULES = {
 QUICK_TESTS = (
     "test_parity.py::test_stage_matches_single_device_adamw[3-8]",
     "test_parity.py::test_parity_checks_fail_on_a_broken_reduction[2-no_mean-sgd_momentum]",
+    "test_parity.py::test_the_parity_check_passes_reduction_order_noise_and_fails_a_perturbed_leaf",
     "test_report.py::test_hlo_parser",
     "test_audit.py::test_an_audit_reads_dependencies_loops_and_relayouts",
     "test_report.py::test_collectives_in_a_loop",
@@ -60,9 +64,17 @@ QUICK_TESTS = (
 )
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
+@pytest.fixture
+def x64():
+    """The test runs with jax_enable_x64 (float64 arrays kept float64): the dtype the exactness
+    checks use (tests/common.py, "Parity"); `in_float64` casts a state to it."""
+    import jax
 
+    with jax.enable_x64(True):
+        yield
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__ if item.module else ""
         if module in QUICK_MODULES or any(q in item.nodeid for q in QUICK_TESTS):

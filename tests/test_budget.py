@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import zerojax as zj
-from tests.common import assert_trees_close
+from tests.common import assert_trees_close, in_run_dtype
 from tests.test_units import Transformer, init_fn, step, train_both
 from zerojax.engine.budget import largest_fitting
 
@@ -17,11 +17,18 @@ DATA = [np.random.default_rng(i).integers(0, 128, (16, SEQ + 1), dtype=np.int32)
 
 
 def start(model):
-    return jax.device_put(init_fn(model, SEQ)(jax.random.key(0)), jax.devices()[0])
+    return jax.device_put(in_run_dtype(init_fn(model, SEQ)(jax.random.key(0))), jax.devices()[0])
 
 
-def report(zero, model):
-    state = zero.eval_shape(init_fn(model, SEQ), jax.random.key(0))
+def report(zero, model, as_trained=False):
+    """The compiled step's report, for the state as `start` trains it (float64) or as
+    `init_fn` makes it (float32, whose bytes the tests below count)."""
+
+    def init(key):
+        state = init_fn(model, SEQ)(key)
+        return in_run_dtype(state) if as_trained else state
+
+    state = zero.eval_shape(init, jax.random.key(0))
     return zero.report(zero(step), state, DATA[0])
 
 
@@ -29,8 +36,9 @@ def report(zero, model):
 def test_units_kept_gathered_send_less_and_match_single_device(scan, keep):
     model = Transformer(4, scan)
     zero = zj.zero_shard(stage=3, keep_gathered=keep)
-    got, want, _ = train_both(zero, step, start(model), DATA)
-    assert_trees_close(got.params, want.params)
+    with jax.enable_x64(True):  # exact: float64 (tests/common.py, "Parity")
+        got, want, _ = train_both(zero, step, start(model), DATA)
+        assert_trees_close(got.params, want.params)
     plain, kept = report(zj.zero_shard(stage=3), model), report(zero, model)
     # each kept unit's weights are gathered once, not twice: the all-gather bytes drop by the
     # kept units' share (2 of 4 blocks unrolled: a quarter; the whole stack scanned: a half)
@@ -39,9 +47,10 @@ def test_units_kept_gathered_send_less_and_match_single_device(scan, keep):
     assert kept.peak_bytes > plain.peak_bytes  # paid for in memory
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 def test_a_budget_above_the_minimum_keeps_units_and_stays_under_it():
     model = Transformer(4, False)
-    minimum = report(zj.zero_shard(stage=3), model).peak_bytes
+    minimum = report(zj.zero_shard(stage=3), model, as_trained=True).peak_bytes
     budget = int(1.7 * minimum)
     zero = zj.zero_shard(stage=3, memory_budget=budget)
     got, want, fitted = train_both(zero, step, start(model), DATA)
@@ -55,7 +64,7 @@ def test_a_budget_above_the_minimum_keeps_units_and_stays_under_it():
 
 def test_a_budget_below_the_minimum_names_the_minimum():
     model = Transformer(4, False)
-    minimum = report(zj.zero_shard(stage=3), model).peak_bytes
+    minimum = report(zj.zero_shard(stage=3), model, as_trained=True).peak_bytes
     zero = zj.zero_shard(stage=3, memory_budget=minimum - 1)
     with pytest.raises(zj.ZeroError, match=f"compiled peak of .*\\({minimum:,} bytes\\)"):
         zero(step)(zero.shard(start(model)), DATA[0])

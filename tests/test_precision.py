@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from common import (
+    EXACT_RTOL,
     assert_trees_close,
     batches,
     initial_state,
@@ -25,15 +26,16 @@ import zerojax as zj
 from zerojax.models import GPT, PRESETS
 from zerojax.models.data import random_windows, stdlib_tokens
 
-ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)  # eps: see test_parity.py
+ADAMW = lambda: optax.adamw(1e-3, eps=1e-5)  # eps: tests/common.py, "Parity"
 
 
 _REFERENCES = {}
 
 
 def reference(name, make_tx, steps, batch_size):
-    """Single-device training on batches(steps, batch_size), computed once per test session."""
-    key = (name, steps, batch_size)
+    """Single-device training on batches(steps, batch_size), computed once per test session
+    (and dtype: float64 under the `x64` fixture)."""
+    key = (name, steps, batch_size, jax.config.jax_enable_x64)
     if key not in _REFERENCES:
         _REFERENCES[key] = train_single_device(make_tx(), batches(steps, batch_size=batch_size))
     return _REFERENCES[key]
@@ -100,6 +102,28 @@ def test_16_bit_weights_are_gathered_and_grads_reduced_in_the_configured_dtype(s
         bucket = {("all-reduce", sent_dtype)} if stage < 3 else set()
         assert {("all-gather", "bf16"), (reduce_kind, sent_dtype)} <= kinds, kinds
         assert kinds <= {("all-gather", "bf16"), (reduce_kind, sent_dtype)} | bucket, kinds
+
+
+@pytest.mark.usefixtures("x64")
+@pytest.mark.parametrize(
+    "grad, option, reduced",
+    [
+        ("bfloat16", "fp32", "float32"),  # widened: fp32 sums of 16-bit gradients
+        ("float32", "fp32", "float32"),
+        ("float64", "fp32", "float64"),  # never narrowed by the default
+        ("float32", "bf16", "bfloat16"),  # asked for: half the bytes
+        ("float64", "fp16", "float16"),
+    ],
+)
+def test_grad_reduce_dtype_widens_16_bit_gradients_and_narrows_only_to_16_bits(
+    grad, option, reduced
+):
+    from zerojax.comm.hierarchy import in_reduce_dtype
+    from zerojax.core.policy import UnitPolicy
+
+    policy = UnitPolicy.of(zj.ZeroConfig(grad_reduce_dtype=option))
+    assert in_reduce_dtype(jnp.ones((4,), grad), policy.reduce_dtype).dtype == reduced
+    assert in_reduce_dtype(jnp.ones((4,), jnp.int32), policy.reduce_dtype).dtype == jnp.int32
 
 
 # ---- fp16 loss scaling --------------------------------------------------------------------------
@@ -187,6 +211,7 @@ def _micro(batch, k):
     return [jax.tree_util.tree_map(lambda x, i=i: x[i * b : (i + 1) * b], batch) for i in range(k)]
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize(
     "stage,mode", [(2, "local"), (3, "reduced"), *slow((0, "local"), (2, "reduced"))]
 )
@@ -228,6 +253,7 @@ def test_reduced_accumulation_reduces_every_micro_batch():
 
 
 # ---- clipping and any optimizer -----------------------------------------------------------------
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize("stage", [1, 3])  # the norm of a whole, then of a split gradient
 def test_clipping_equals_optax_clip_by_global_norm(stage):
     data = batches(4)
@@ -236,7 +262,7 @@ def test_clipping_equals_optax_clip_by_global_norm(stage):
     )
     zero = zj.zero_shard(stage=stage, gradient_clipping=0.05)
     state, losses = train_zero(zero, ADAMW(), data)
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses, ref_losses, rtol=EXACT_RTOL)
     assert_trees_close(state.params, ref_state.params)
 
 
@@ -273,6 +299,7 @@ ANY_OPTIMIZER = [
 )
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize("name,stage", ANY_OPTIMIZER)
 def test_managed_update_matches_single_device_for_any_optimizer(name, stage):
     data = batches(2, batch_size=32)

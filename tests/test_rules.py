@@ -102,7 +102,7 @@ def _abstract_state(tx):
     return jax.eval_shape(make_init(tx), jax.random.key(0))
 
 
-# Adam eps=1e-5 for the reason given in test_parity.py.
+# Adam eps=1e-5 for the reason given in tests/common.py, "Parity".
 OPTIMIZERS = {
     "adamw": optax.adamw(1e-3, eps=1e-5),
     "sgd_momentum": optax.sgd(0.1, momentum=0.9),

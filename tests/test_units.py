@@ -13,7 +13,13 @@ import pytest
 from flax.training import train_state
 
 import zerojax as zj
-from tests.common import assert_trees_close, loop_collective_sizes, slow
+from tests.common import (
+    assert_trees_close,
+    in_run_dtype,
+    loop_collective_sizes,
+    run_rtol,
+    slow,
+)
 
 
 class Block(nn.Module):
@@ -124,6 +130,7 @@ def test_stages_1_2_reduce_each_units_gradient_as_backward_leaves_it(stage):
     assert at_the_end - per_unit >= 0.5 * (n - 1) / n * 4 * psi, (at_the_end, per_unit, psi)
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize(
     "scan, units, buffers",
     [(True, "Block", False), (False, "auto", False), (True, "Block", True)]
@@ -149,15 +156,16 @@ def test_units_from_outside_match_single_device_training(scan, units, buffers):
 
 def train_both(zero, fn, state, data):
     """(zerojax's state, one device's state, the zerojax step) after training `fn` on `data`
-    both ways from `state`; the losses agree at every step, and zerojax used its own
-    collectives without falling back (no warning)."""
+    both ways from `state` (in float64 under the `x64` fixture); the losses agree at every
+    step, and zerojax used its own collectives without falling back (no warning)."""
+    state = in_run_dtype(state)
     got, got_step, want, single = zero.shard(state), zero(fn), state, jax.jit(fn)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "XLA places the collectives" warning
         for batch in data:
             want, want_loss = single(want, batch)
             got, got_loss = got_step(got, batch)
-            np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+            np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=run_rtol())
     assert got_step.used_explicit_collectives
     return got, want, got_step
 
@@ -264,6 +272,7 @@ def test_unit_buffers_take_two_gathers_and_one_reduce_scatter_per_unit(scan):
     assert counts[False][0] > counts[True][0], counts  # leaf by leaf: one per leaf
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 def test_a_large_leaf_moves_alone_with_unit_buffers(monkeypatch):
     # a leaf of ALONE_BYTES or more is gathered and reduced as itself, not copied into its
     # unit's buffer: here each block's two MLP kernels (64 KiB in fp32) against a cap of 48 KiB
@@ -289,6 +298,7 @@ def closure_step(model):
     return lambda state, batch: step(state, batch, apply=model.apply)
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_closure_called_model_gets_the_explicit_collectives(stage):
     model, seq = Transformer(2, stage == 3), 16
@@ -304,6 +314,7 @@ def test_a_closure_called_model_gets_the_explicit_collectives(stage):
     assert ("reduce_scatter" in hlo) == (stage >= 2), stage
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize("stage, scan", [(3, True), (2, False)] + slow((3, False), (2, True)))
 def test_saved_activations_instead_of_recomputation_match_single_device(stage, scan):
     # recompute_units=False: forward keeps autodiff's residuals less the weights, backward
@@ -420,6 +431,7 @@ def test_a_step_reports_the_variant_it_last_ran():
     assert step.units == ("block_0", "block_1") and step.used_explicit_collectives
 
 
+@pytest.mark.usefixtures("x64")  # exact: float64 (tests/common.py, "Parity")
 @pytest.mark.parametrize("stage", [3, 2] + slow(1))
 def test_a_stacks_small_leaves_are_gathered_once_per_step(stage):
     """persistence_threshold judged per layer in a scanned stack: its LayerNorms and its

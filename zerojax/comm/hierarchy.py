@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from zerojax.comm.quant import quantized_all_gather, quantized_reduce_scatter
 from zerojax.core.config import ZeroConfig
 from zerojax.core.errors import ZeroError
+from zerojax.core.policy import working_dtype
 
 NODE, LOCAL = "node", "local"
 
@@ -169,6 +170,14 @@ def _on_rows(collective, x, dim: int, comm: Comm):
     return out.reshape(*out.shape[: dim + 1], *x.shape[dim + 1 :])
 
 
+def in_reduce_dtype(g, reduce_dtype):
+    """A floating gradient in the dtype it is reduced in (`working_dtype` of `reduce_dtype`,
+    grad_reduce_dtype's); None, and integer gradients, keep theirs."""
+    if reduce_dtype is None or not jnp.issubdtype(g.dtype, jnp.floating):
+        return g
+    return g.astype(working_dtype(g.dtype, reduce_dtype))
+
+
 def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
     """One device's gradient summed over all devices: split along `dim` over the shard axes
     (a reduce-scatter; quantized all-to-alls with qgZ) then summed over the replica axes, or,
@@ -176,8 +185,7 @@ def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
     leaves made per-replica by `vary_over_replicas`, whose transpose does it). `reduce_dtype`
     (None keeps it) is the dtype of the unquantized collectives. The one place where zerojax
     reduces gradients."""
-    if reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
-        g = g.astype(reduce_dtype)
+    g = in_reduce_dtype(g, reduce_dtype)
     replica = axis_name(comm.replica) if comm.replica and replicas else None
     if dim is None:
         return jax.lax.psum(g, comm.data_axis if replica else comm.shard_axis)

@@ -13,6 +13,15 @@ import jax.numpy as jnp
 from zerojax.core.config import DTYPE_NAMES, ZeroConfig
 
 
+def working_dtype(dtype, chosen):
+    """The dtype a value of `dtype` takes where an option chose `chosen`: a 16-bit choice (bf16,
+    fp16: half the bytes) is taken as it is; fp32, every dtype option's default, widens 16-bit
+    values and never narrows a wider one (a float64 model trains in float64)."""
+    if jnp.finfo(chosen).bits < 32:
+        return jnp.dtype(chosen)
+    return jnp.promote_types(dtype, chosen)
+
+
 def dtype_of(option: str):
     """The dtype a precision option names ('fp32', 'bf16', 'fp16')."""
     return jnp.dtype(DTYPE_NAMES[option])
@@ -27,7 +36,7 @@ class UnitPolicy:
     shards_parameters: bool  # stage 3: units gather their weights
     persistence_threshold: int  # elements: a stacked leaf's layer below it is gathered whole
     compute_dtype: Any  # the 16-bit dtype parameters compute in, None for their own
-    reduce_dtype: Any  # the dtype gradients are reduced in
+    reduce_dtype: Any  # grad_reduce_dtype: comm.hierarchy.in_reduce_dtype applies it
     offload_activations: bool
     prefetch: int
     recompute_units: bool

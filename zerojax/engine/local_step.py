@@ -10,12 +10,13 @@ import jax.numpy as jnp
 
 from zerojax.comm.device_values import device_mean, from_device_0
 from zerojax.comm.hierarchy import reduce_gradient
+from zerojax.core.policy import working_dtype
 from zerojax.core.rules import OPT_STATE, PARAMS, category_of, split_dim
 from zerojax.engine.hook import local_apply_fn
 from zerojax.engine.outputs import one_capture, split_output
 from zerojax.engine.variant import Variant
 from zerojax.update.managed import capture_gradients
-from zerojax.update.transforms import cast_floating
+from zerojax.update.transforms import in_working_dtype
 
 
 def local_body(v: Variant, param_grad_specs, state, batch, extra):
@@ -28,7 +29,7 @@ def local_body(v: Variant, param_grad_specs, state, batch, extra):
     original = state.apply_fn
     scale = state.opt_state.scale if v.update.scales_loss else None
     apply = local_apply_fn(original, v.placement.unit, v.log, axis, local_rows(batch), scale)
-    view = state.replace(params=cast_floating(state.params, jnp.float32), apply_fn=apply)
+    view = state.replace(params=in_working_dtype(state.params, jnp.float32), apply_fn=apply)
     with capture_gradients() as sink:
         out = v.fn((view,), batch, *extra)
     grads = one_capture(sink)
@@ -44,7 +45,7 @@ def local_body(v: Variant, param_grad_specs, state, batch, extra):
                     split_dim(spec, comm.shard_axis),
                     comm,
                     v.placement.unit.reduce_dtype,
-                ).astype(jnp.float32)
+                ).astype(working_dtype(s.dtype, jnp.float32))
                 / n
             ),
             sums,

@@ -46,7 +46,7 @@ from zerojax.update.managed import (
     updating,
     zero_opt_state,
 )
-from zerojax.update.transforms import cast_floating
+from zerojax.update.transforms import in_working_dtype
 
 
 def traced(v: Variant, state, batch, *extra):
@@ -72,7 +72,7 @@ def traced_global(v: Variant, state, batch, extra: tuple):
     managed = v.update.manages
     view = state
     if managed:  # fp32 views laid out as the parameters are stored (not as the master)
-        params = cast_floating(state.params, jnp.float32)
+        params = in_working_dtype(state.params, jnp.float32)
         view = view.replace(params=_constrain(params, v.shardings.params))
     scale = state.opt_state.scale if managed and v.update.scales_loss else None
     hook = hook_for(v, scale)

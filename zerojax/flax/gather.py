@@ -48,6 +48,7 @@ from zerojax.comm.hierarchy import (
     Comm,
     gather_secondary,
     gather_weight,
+    in_reduce_dtype,
     reduce_gradient,
     secondary_shard,
     vary_over_replicas,
@@ -290,7 +291,7 @@ def _per_device(shards, dims, ctx):
             return vary_over_replicas(x, ctx.comm)
         if ctx.whole is not None:
             return x
-        return varying(_in_reduce_dtype(x, ctx), ctx.comm.data_axis)
+        return varying(in_reduce_dtype(x, ctx.reduce_dtype), ctx.comm.data_axis)
 
     return jax.tree_util.tree_map(one, shards, dims)
 
@@ -304,7 +305,8 @@ def _scatter(grads, dims, shards, ctx, scale):
     out = list(flat)
     for bucket in _buckets(flat, local, dims, ctx):
         reduce = lambda b: reduce_gradient(b, None, ctx.comm, None)
-        summed = all_reduce_bucket([_in_reduce_dtype(flat[i], ctx) for i in bucket], reduce)
+        in_dtype = [in_reduce_dtype(flat[i], ctx.reduce_dtype) for i in bucket]
+        summed = all_reduce_bucket(in_dtype, reduce)
         for i, g in zip(bucket, summed, strict=True):
             out[i] = g
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
@@ -327,15 +329,8 @@ def _buckets(grads: list, local: list, dims, ctx) -> list:
         if d >= 0 or axes & set(jax.typeof(local[i]).mat.varying):
             continue
         if jnp.issubdtype(g.dtype, jnp.inexact):
-            by_dtype.setdefault(_in_reduce_dtype(g, ctx).dtype, []).append(i)
+            by_dtype.setdefault(in_reduce_dtype(g, ctx.reduce_dtype).dtype, []).append(i)
     return list(by_dtype.values())
-
-
-def _in_reduce_dtype(g, ctx):
-    """A floating gradient in the dtype gradients are reduced in (the others as they are)."""
-    if ctx.reduce_dtype is not None and jnp.issubdtype(g.dtype, jnp.floating):
-        return g.astype(ctx.reduce_dtype)
-    return g
 
 
 def _secondary(params, dims, ctx) -> list:

@@ -30,7 +30,7 @@ from zerojax.update.managed import (
     present,
     settle,
 )
-from zerojax.update.transforms import cast_floating
+from zerojax.update.transforms import in_working_dtype
 
 BUFFERS = "zerojax"  # the optimizer attribute holding the ZeroBuffers variable
 
@@ -125,7 +125,7 @@ class ManagedObjects:
         self.buffers = getattr(self.optimizer, BUFFERS)
         self.step = self.optimizer.step.get_value()
         self.layouts = layouts
-        _set_params(self.model, _laid_out(cast_floating(self.params, jnp.float32), layouts[0]))
+        _set_params(self.model, _laid_out(in_working_dtype(self.params, jnp.float32), layouts[0]))
 
     @property
     def scale(self):

@@ -22,7 +22,7 @@ import numpy as np
 from zerojax.core.errors import ZeroError
 from zerojax.core.rules import path_str
 from zerojax.update.managed import ZeroOptState, present
-from zerojax.update.transforms import cast_floating
+from zerojax.update.transforms import in_working_dtype
 
 # safetensors dtype names and the numpy dtypes zerojax reads them as
 FILE_DTYPES = {name: np.dtype(t) for name, t in (("BF16", jnp.bfloat16), ("BOOL", np.bool_))} | {
@@ -128,7 +128,7 @@ def load_safetensors(
             {**state, "params": loaded} if isinstance(state, dict) else state.replace(params=loaded)
         )
     params = jax.jit(
-        lambda m: cast_floating(m, zero.placement.update.param_dtype),
+        lambda m: in_working_dtype(m, zero.placement.update.param_dtype),
         out_shardings=shardings.params,
     )(loaded)
     return state.replace(params=params, opt_state=state.opt_state._replace(master=loaded))

@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import optax
 
 from zerojax.core.errors import ZeroError
-from zerojax.core.policy import UpdatePolicy
+from zerojax.core.policy import UpdatePolicy, working_dtype
 from zerojax.core.trace_scope import current, scoped
 from zerojax.update.transforms import (
     applied,
-    cast_floating,
     clipped,
+    in_working_dtype,
     micro_batch_mean,
     next_loss_scale,
     norm_and_finite,
@@ -142,10 +142,10 @@ def prepare_state(state, policy: UpdatePolicy, axis_size: int):
             "`params`, `opt_state` and `tx` (a flax TrainState); got "
             f"{type(state).__name__}."
         )
-    params32 = cast_floating(state.params, jnp.float32)
+    params32 = in_working_dtype(state.params, jnp.float32)
     k, accum_dtype = policy.accumulation_steps, policy.accum_dtype
     zeros = lambda shape_prefix: jax.tree_util.tree_map(
-        lambda p: jnp.zeros(shape_prefix + p.shape, accum_dtype), params32
+        lambda p: jnp.zeros(shape_prefix + p.shape, working_dtype(p.dtype, accum_dtype)), params32
     )
     local = policy.accumulates_locally and not _own_update(state, policy)
     opt = ZeroOptState(
@@ -157,7 +157,7 @@ def prepare_state(state, policy: UpdatePolicy, axis_size: int):
         **initial_scaler(policy),
     )
     return state.replace(
-        params=cast_floating(state.params, policy.param_dtype),
+        params=in_working_dtype(state.params, policy.param_dtype),
         opt_state=opt,
         tx=ZeroTx(state.tx),
     )
@@ -220,7 +220,7 @@ def managed_update(tx, opt: ZeroOptState, grads, params, call: UpdateCall):
     ZeroOptState). A micro-batch only accumulates its gradients (the parameters stay, as under
     optax.MultiSteps); the k-th runs `_optimizer_step` on the fp32 master weights. `params`
     (the fp32 view the step sees) plus the updates are the new master weights."""
-    grads = cast_floating(grads, jnp.float32)
+    grads = in_working_dtype(grads, jnp.float32)
     master = opt.master if present(opt.master) else params
     if call.micro:
         new_opt, new_master, updates = accumulate(opt, grads), master, zeros_like(params)
@@ -278,10 +278,10 @@ def settle(before, after, policy: UpdatePolicy, micro: bool):
         )
     params = after.params
     if present(opt.master):
-        view = cast_floating(before.params, jnp.float32)
+        view = in_working_dtype(before.params, jnp.float32)
         master = jax.tree_util.tree_map(_follow, opt.master, view, params)
         opt = opt._replace(master=master)
-        params = cast_floating(master, policy.param_dtype)
+        params = in_working_dtype(master, policy.param_dtype)
     applied = jnp.asarray(False) if micro else ~opt.last_skipped
     # jnp.where keeps the counter's weak type (TrainState starts it as a Python 0), so the
     # returned state matches the input's avals and the step does not compile twice
@@ -300,7 +300,7 @@ def _follow(master, view, returned):
 def apply_update(state, old_step, grads, policy: UpdatePolicy, run=None):
     """The managed update applied by zerojax itself to `state` (local accumulation: the user's
     step ran per device before its gradients were reduced), as `apply_gradients` would."""
-    view = cast_floating(state.params, jnp.float32)
+    view = in_working_dtype(state.params, jnp.float32)
     call = UpdateCall(policy, False, run)
     updates, opt = managed_update(state.tx.inner, state.opt_state, grads, view, call)
     after = state.replace(

@@ -10,15 +10,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zerojax.core.policy import UpdatePolicy
+from zerojax.core.policy import UpdatePolicy, working_dtype
 
 
 def _floating(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def cast_floating(tree, dtype):
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _floating(x) else x, tree)
+def in_working_dtype(tree, chosen):
+    """`tree`'s floating leaves in `working_dtype(leaf, chosen)`: a 16-bit `chosen` casts them,
+    fp32 widens 16-bit leaves and keeps float64 ones."""
+    cast = lambda x: x.astype(working_dtype(jnp.result_type(x), chosen)) if _floating(x) else x
+    return jax.tree_util.tree_map(cast, tree)
 
 
 def zeros_like(tree):
@@ -37,14 +40,15 @@ def store_optimizer_state(inner, policy: UpdatePolicy, like=None):
     if like is not None:
         return jax.tree_util.tree_map(lambda x, old: x.astype(old.dtype), inner, like)
     dtype = policy.state_dtype
-    return jax.tree_util.tree_map(lambda x: x.astype(dtype) if _moment(x) else x, inner)
+    cast = lambda x: x.astype(working_dtype(x.dtype, dtype)) if _moment(x) else x
+    return jax.tree_util.tree_map(cast, inner)
 
 
 def micro_batch_mean(accum, grads, k: int, has_accum: bool):
     """The mean gradient of the k micro-batches: the 'reduced' buffer `accum` (if kept) plus
     the last micro-batch's `grads`, over k."""
     if has_accum:
-        grads = jax.tree_util.tree_map(lambda a, g: a.astype(jnp.float32) + g, accum, grads)
+        grads = jax.tree_util.tree_map(lambda a, g: a.astype(g.dtype) + g, accum, grads)
     if k > 1:
         grads = jax.tree_util.tree_map(lambda g: g / k, grads)
     return grads
@@ -69,7 +73,8 @@ def state_kept_in_its_dtype(tx, policy: UpdatePolicy) -> optax.GradientTransform
         return tx
 
     def update(grads, stored, params=None):
-        inner = jax.tree_util.tree_map(lambda x: x.astype(jnp.float32) if _moment(x) else x, stored)
+        widen = lambda x: x.astype(working_dtype(x.dtype, jnp.float32)) if _moment(x) else x
+        inner = jax.tree_util.tree_map(widen, stored)
         updates, inner = tx.update(grads, inner, params)
         return updates, store_optimizer_state(inner, policy, stored)
 
