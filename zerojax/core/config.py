@@ -135,17 +135,20 @@ class ZeroConfig:
 
     optimizer_state_dtype: str = "fp32"
     """dtype the optimizer's state (e.g. Adam's two moments) is stored in between steps: 'fp32'
-    or 'bf16'. 'bf16' halves those bytes (4 bytes per parameter less for Adam); the update itself
-    still runs in fp32 on the fp32 master weights, the state is rounded as it is stored.
-    Non-scalar floating leaves only (a learning rate in `inject_hyperparams` stays exact)."""
+    (float64 state stays float64) or 'bf16'. 'bf16' halves those bytes (4 bytes per parameter
+    less for Adam); the update itself still runs in fp32 on the fp32 master weights, the state is
+    rounded as it is stored. Non-scalar floating leaves only (a learning rate in
+    `inject_hyperparams` stays exact)."""
 
     grad_reduce_dtype: str = "fp32"
     """dtype of the gradient all-reduce / reduce-scatter (DeepSpeed `communication_data_type`).
-    fp32 by default (exact sums); 'bf16'/'fp16' halve the bytes and round each sum."""
+    fp32 by default (exact sums; a float64 model's gradients stay float64); 'bf16'/'fp16' halve
+    the bytes and round each sum."""
 
     grad_accum_dtype: str = "fp32"
     """dtype of the gradient accumulation buffers (DeepSpeed `data_types.grad_accum_dtype`).
-    fp32 by default: DeepSpeed's bf16 default there is a known source of divergence."""
+    fp32 by default (float64 for a float64 model): DeepSpeed's bf16 default there is a known
+    source of divergence."""
 
     loss_scale: float = 0.0
     """fp16 only. 0: dynamic loss scaling; any other value: that static scale."""
