@@ -293,7 +293,7 @@ def settle(before, after, policy: UpdatePolicy, micro: bool):
 def _follow(master, view, returned):
     """The new master weight of one leaf: `master` where the user's code returned what
     `optax.apply_updates(view, master - view)` gives, else what it returned."""
-    returned = returned.astype(jnp.float32)
+    returned = returned.astype(master.dtype)
     return jnp.where(returned == view + (master - view), master, returned)
 
 

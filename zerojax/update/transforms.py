@@ -17,10 +17,10 @@ def _floating(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.floating)
 
 
-def in_working_dtype(tree, chosen):
-    """`tree`'s floating leaves in `working_dtype(leaf, chosen)`: a 16-bit `chosen` casts them,
-    fp32 widens 16-bit leaves and keeps float64 ones."""
-    cast = lambda x: x.astype(working_dtype(jnp.result_type(x), chosen)) if _floating(x) else x
+def in_working_dtype(tree, chosen, which=_floating):
+    """`tree`'s leaves that `which` picks (floating ones) in `working_dtype(leaf, chosen)`: a
+    16-bit `chosen` casts them, fp32 widens 16-bit leaves and keeps float64 ones."""
+    cast = lambda x: x.astype(working_dtype(jnp.result_type(x), chosen)) if which(x) else x
     return jax.tree_util.tree_map(cast, tree)
 
 
@@ -39,9 +39,7 @@ def store_optimizer_state(inner, policy: UpdatePolicy, like=None):
     `like`, each leaf back in the dtype of `like`'s (the stored state the update started from)."""
     if like is not None:
         return jax.tree_util.tree_map(lambda x, old: x.astype(old.dtype), inner, like)
-    dtype = policy.state_dtype
-    cast = lambda x: x.astype(working_dtype(x.dtype, dtype)) if _moment(x) else x
-    return jax.tree_util.tree_map(cast, inner)
+    return in_working_dtype(inner, policy.state_dtype, _moment)
 
 
 def micro_batch_mean(accum, grads, k: int, has_accum: bool):
@@ -73,8 +71,7 @@ def state_kept_in_its_dtype(tx, policy: UpdatePolicy) -> optax.GradientTransform
         return tx
 
     def update(grads, stored, params=None):
-        widen = lambda x: x.astype(working_dtype(x.dtype, jnp.float32)) if _moment(x) else x
-        inner = jax.tree_util.tree_map(widen, stored)
+        inner = in_working_dtype(stored, jnp.float32, _moment)
         updates, inner = tx.update(grads, inner, params)
         return updates, store_optimizer_state(inner, policy, stored)
 
