@@ -246,7 +246,7 @@ def test_no_function_takes_the_config_where_a_policy_view_exists():
     # what a step runs through; placement resolves the views and state reads the model's own
     # declared layout (axis, logical_rules), for which no view exists
     readers = ("engine.step", "engine.traced", "engine.variant", "engine.hook", "engine.local_step")
-    readers += ("engine.budget", "flax.gather", "flax.units", "flax.nnx_managed", "update.")
+    readers += ("engine.budget", "flax.unit_calls", "flax.units", "flax.nnx_managed", "update.")
     taking = [
         f"{module}.{name}"
         for (module, name), node in _functions().items()

@@ -70,12 +70,12 @@ def test_flax_rng_counters_nest_per_child_scope():
     }
     assert nested.get("Dropout_0") == {"dropout": 1}, (
         "flax.core.scope.Scope.rng_counters no longer keeps each child's counters in a nested "
-        "dict keyed (sentinel, child name): zerojax.flax.gather.gather_unit copies a unit's "
+        "dict keyed (sentinel, child name): zerojax.flax.unit_calls.gather_unit copies a unit's "
         "counters into the scope it applies the unit in, so its submodules draw the keys they "
         f"would draw bound; find where Flax keeps them now (got {bound.scope.rng_counters})."
     )
     assert "_deep_clone" in inspect.signature(nn.Module.clone).parameters, (
-        "flax.linen.Module.clone lost `_deep_clone`: zerojax.flax.gather.gather_unit clones a "
+        "flax.linen.Module.clone lost `_deep_clone`: zerojax.flax.unit_calls.gather_unit clones a "
         "unit onto its scope the way Module.apply does; follow Module.apply's new way there."
     )
 
@@ -110,7 +110,7 @@ def test_every_elementwise_primitive_is_redone_by_a_units_backward():
     import jax.numpy  # noqa: F401
     from jax._src.interpreters import batching
 
-    from zerojax.flax.gather import _REDONE_IN_BACKWARD
+    from zerojax.flax.unit_calls import _REDONE_IN_BACKWARD
 
     elementwise = (batching.vectorized_batcher, batching.broadcast_batcher)
     found = {
@@ -125,13 +125,14 @@ def test_every_elementwise_primitive_is_redone_by_a_units_backward():
     not_arithmetic = {"global_array_to_host_local_array"}  # multihost_utils' host transfer
     missing = sorted(found - _REDONE_IN_BACKWARD - not_arithmetic)
     assert not missing, (
-        f"jax has elementwise primitives zerojax.flax.gather._ELEMENTWISE does not list: {missing}."
+        "jax has elementwise primitives zerojax.flax.unit_calls._ELEMENTWISE does not list: "
+        f"{missing}."
         " A unit would keep their outputs for backward (memory, not wrong results): add them."
     )
 
 
 def test_xla_cpu_drops_an_optimization_barriers_ordering():
-    # zerojax.flax.gather._depend ties a unit's gather to its anchor with an add of zero per
+    # zerojax.flax.unit_calls._depend ties a unit's gather to its anchor with an add of zero per
     # leaf (a kernel each: 0.5 s of the bench LM's stage-3 compile, BENCHMARKS "Compile
     # time"), not with jax.lax.optimization_barrier, because XLA:CPU schedules a barrier's
     # gathers as if it were not there: all up front, each layer's weights alive at once
@@ -168,7 +169,7 @@ def test_xla_cpu_drops_an_optimization_barriers_ordering():
     got = {name: schedule(tie) for name, tie in ties.items()}
     assert got["none"][0] == 4 and got["add"][0] <= 1, got  # the probe sees the ordering
     assert got["barrier"] == got["none"], (
-        "XLA:CPU now orders work after an optimization barrier: zerojax.flax.gather._depend "
+        "XLA:CPU now orders work after an optimization barrier: zerojax.flax.unit_calls._depend "
         "could tie each gather to its anchor with jax.lax.optimization_barrier instead of an "
         "add of zero per leaf (no kernel, no arithmetic on the weights); try it there and "
         f"compare the stage-3 peaks and bench/compile_time.py ({got})."

@@ -5,12 +5,13 @@ import subprocess
 import sys
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from common import batches, initial_state, make_init, subprocess_env, train_step
+from common import MODEL, batches, initial_state, make_init, subprocess_env, train_step
 from flax import nnx
 
 import zerojax as zj
@@ -244,6 +245,14 @@ def test_bad_options(kwargs, match):
         zj.zero_shard(**kwargs)
 
 
+class MeanOfModel(nn.Module):
+    """A model whose own output is a scalar: the mean over the batch of the common GPT's."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        return MODEL.clone(parent=self, name="gpt")(tokens).mean()
+
+
 def test_model_output_that_is_not_per_example(zero_and_state):
     zero, state = zero_and_state
 
@@ -253,10 +262,14 @@ def test_model_output_that_is_not_per_example(zero_and_state):
 
         return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
 
+    # a lambda reducing around the model is fine: the model's own call is caught, per example
     wrapped_apply = state.apply_fn
-    state = state.replace(apply_fn=lambda v, x: wrapped_apply(v, x).mean())
+    around = state.replace(apply_fn=lambda v, x: wrapped_apply(v, x).mean())
+    assert zj.zero_shard(stage=3)(step)(zero.shard(around), batches(1)[0]) is not None
+    # a model whose own output is not per example cannot run per device
+    inside = state.replace(apply_fn=MeanOfModel().apply, params={"gpt": state.params})
     with pytest.raises(zj.ZeroError, match="explicit_collectives=False"):
-        zj.zero_shard(stage=3)(step)(zero.shard(state), batches(1)[0])
+        zj.zero_shard(stage=3)(step)(zero.shard(inside), batches(1)[0])
 
 
 def test_a_good_state_is_left_usable_after_a_failed_call(zero_and_state):

@@ -105,6 +105,41 @@ def test_nnx_objects_built_elsewhere_are_placed_by_shard_or_refused():
     zero.describe((model, optimizer), tolerance=0.01, show=False)
 
 
+def metrics_step(model, optimizer, metrics, batch):
+    """Flax's NNX examples' step: the metrics object updated in the step."""
+
+    def loss_fn(model):
+        logits = model(batch["inputs"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return loss, logits
+
+    (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    metrics.update(loss=loss, logits=logits, labels=batch["targets"])
+    optimizer.update(model, grads)
+
+
+def test_nnx_metrics_made_outside_zero_init_are_placed_as_nnx_jit_takes_them():
+    """A metrics object made beside the model, as Flax's NNX examples make theirs (not through
+    `zero.init`): zero places its replicated leaves, as `nnx.jit` takes it; its values after 2
+    steps are `nnx.jit`'s (it was refused with 'not placed as this zero_shard expects')."""
+    new_metrics = lambda: nnx.MultiMetric(
+        accuracy=nnx.metrics.Accuracy(), loss=nnx.metrics.Average("loss")
+    )
+    want = new_metrics()
+    model, optimizer = make_objects(ADAMW())
+    jitted = nnx.jit(metrics_step)
+    for batch in DATA[:2]:
+        jitted(model, optimizer, want, batch)
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    model, optimizer = zero.init(lambda: make_objects(ADAMW()))
+    got, step = new_metrics(), zero(metrics_step)
+    for batch in DATA[:2]:
+        step(model, optimizer, got, batch)
+    got, want = got.compute(), want.compute()
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    np.testing.assert_allclose(got["accuracy"], want["accuracy"], atol=1e-6)
+
+
 # ---- plain pytrees ----------------------------------------------------------------------------
 TX = optax.sgd(0.05, momentum=0.9)
 

@@ -107,10 +107,10 @@ def test_parity_checks_fail_on_a_broken_reduction(monkeypatch, stage, how, opt):
     import zerojax.comm.gather
     import zerojax.comm.hierarchy
     import zerojax.engine.local_step
-    import zerojax.flax.gather
+    import zerojax.flax.unit_calls
 
     broken = _broken_reduction(zerojax.comm.hierarchy.reduce_gradient, how)
-    for module in (zerojax.comm.gather, zerojax.flax.gather, zerojax.engine.local_step):
+    for module in (zerojax.comm.gather, zerojax.flax.unit_calls, zerojax.engine.local_step):
         monkeypatch.setattr(module, "reduce_gradient", broken)
     ref_state, ref_losses = reference(opt)
     zero = zj.zero_shard(stage=stage, persistence_threshold=0)

@@ -390,3 +390,21 @@ def test_bf16_optimizer_state_saves_4_bytes_per_parameter_over_n_at_stage_3():
     psi = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     fp32, bf16 = resident["fp32"], resident["bf16"]
     assert abs((fp32 - bf16) - 4 * psi / 8) <= kept  # leaves kept whole save 4Ψ_kept, not /N
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_reduce_dtype_reaches_the_unsplit_leaves_of_a_unit(stage):
+    """A unit's leaves below the persistence threshold (its biases) enter its per-device body
+    whole, and the body's transpose sums their gradients: in grad_reduce_dtype, through a
+    carrier in that dtype (`engine.hook._with_gradient_carriers`), like every other gradient
+    reduction of the step."""
+    import re
+
+    from test_option_sweep import BATCH, init_fn, step
+
+    zero = zj.zero_shard(stage=stage, grad_reduce_dtype="bf16", units="Block")
+    text = zero(step).lower(zero.eval_shape(init_fn, jax.random.key(0)), BATCH).as_text()
+    starts = [m.start() for m in re.finditer(r"stablehlo\.(all_reduce|reduce_scatter)", text)]
+    operands = [re.search(r"\(tensor<([^>]*)>", text[i : i + 800])[1] for i in starts]
+    assert len(operands) >= 5, operands  # the blocks' 4 biases and the head's leaves at least
+    assert all(o.endswith("bf16") for o in operands), operands

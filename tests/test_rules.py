@@ -223,8 +223,53 @@ def test_a_stack_split_on_its_layers_is_gathered_whole_and_says_so(stage):
     for x in data:
         want, _ = jax.jit(step)(want, x)
     zero = zj.zero_shard(stage=stage)
-    state = zero.init(init, jax.random.key(0))
+    # built elsewhere and placed (no facts from Flax): its shapes do not reveal the stack
+    state = zero.shard(init(jax.random.key(0)))
     with pytest.warns(zj.ZeroWarning, match="split along its stack's layer dimension 0"):
         for x in data:
             state, _ = zero(step)(state, x)
     assert_trees_close(state.params, want.params)
+
+
+class _Attention(nn.Module):
+    """An unrolled grouped-query attention's bias-free kernels (as Llama's), d = 32, 4 query
+    heads and 2 key/value heads of 8: every kernel's leading size is d and some lack d
+    elsewhere, which the shapes read as a stack of 32 layers."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda width, name: nn.Dense(width, use_bias=False, name=name)  # noqa: E731
+        q, k, v = dense(32, "q")(x), dense(16, "k")(x), dense(16, "v")(x)
+        return dense(32, "o")(q * jnp.tile(k * v, 2))
+
+
+class _Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = _Attention(name="attn")(x)
+        return _SingleKernelStack(name="stack")(jnp.concatenate([x, x], -1))
+
+
+def test_a_stack_is_what_flax_stacks_when_zero_init_sees_the_model_built():
+    """Through `zero.init` (and `zero.eval_shape`) the layout reads the stacks from Flax: the
+    dims an `nn.scan` body sees while `init` runs (`zerojax.flax.stacks`), not the shapes."""
+    model = _Model()
+
+    def init(key):
+        params = model.init(key, jnp.zeros((1, 32)))["params"]
+        return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
+
+    shapes = {
+        "/".join(str(k.key) for k in p): x.shape
+        for p, x in jax.tree_util.tree_flatten_with_path(init(jax.random.key(0)).params)[0]
+    }
+    assert "attn/k/kernel" in stacked_params(shapes)  # what the shapes alone would say
+    assert "stack/Scan_Residual_0/Dense_0/kernel" not in stacked_params(shapes)  # would miss
+    zero = zj.zero_shard(stage=3, persistence_threshold=0)
+    for make in (zero.init, zero.eval_shape):
+        plans = zero.layout(make(init, jax.random.key(0))).plans
+        reasons = {plan.path: plan.reason for plan in plans}
+        assert "a stack's layers" not in reasons["params/attn/k/kernel"], reasons
+        assert reasons["params/attn/k/kernel"].startswith("sharded dim 0"), reasons
+        stack = reasons["params/stack/Scan_Residual_0/Dense_0/kernel"]
+        assert stack == "sharded dim 1 (dim 0: a stack's layers)", stack

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zerojax as zj
-from zerojax.flax import gather
+from zerojax.flax import unit_calls
 
 D, ROWS = 16, 16
 STAGES = (0, 1, 2, 3)
@@ -287,7 +287,7 @@ def test_the_property_fails_when_static_arguments_are_traced(monkeypatch):
     `if flag:` would raise, and the model's `isinstance(flag, bool)` takes another branch, so
     stage 3 no longer matches one device."""
     traced = lambda x: isinstance(x, (jax.Array, np.ndarray, bool, int, float))
-    monkeypatch.setattr(gather, "is_array", traced)
+    monkeypatch.setattr(unit_calls, "is_array", traced)
     x = np.random.default_rng(0).normal(size=(ROWS, D)).astype(np.float32)
     with pytest.raises(AssertionError, match="L2 difference"):
         linen_parity(DrawnModel(("flag",), (False,)), {"x": x}, stages=(3,))

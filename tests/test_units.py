@@ -330,7 +330,7 @@ def test_saved_activations_instead_of_recomputation_match_single_device(stage, s
 
 
 def test_saved_activations_never_include_the_weights():
-    from zerojax.flax.gather import _forward_saving_activations
+    from zerojax.flax.unit_calls import _forward_saving_activations
 
     def apply(module):
         return lambda p, extra, a: (module.apply({"params": p}, a), {})
@@ -361,7 +361,7 @@ def test_saved_activations_never_include_the_weights():
 
 
 def test_a_unit_keeps_its_matmul_outputs_and_redoes_elementwise_work():
-    from zerojax.flax.gather import _forward_saving_activations
+    from zerojax.flax.unit_calls import _forward_saving_activations
 
     class Block(nn.Module):  # as a user writes one: gelu, dropout, a norm
         @nn.compact

@@ -20,11 +20,12 @@ import numpy as np
 from zerojax.comm.offload import to_storage
 from zerojax.core.config import ZeroConfig, resolve_config
 from zerojax.core.errors import ZeroError, warn
-from zerojax.core.rules import LeafPlan, StateLayout, plan_state, with_units
+from zerojax.core.rules import LeafPlan, StateLayout, params_by_path, plan_state, with_units
 from zerojax.engine.checks import check_init_fn
 from zerojax.engine.placement import Placement, inert_options, place_batch
 from zerojax.engine.state import Boundary, boundary, managed
 from zerojax.engine.step import ZeroStep
+from zerojax.flax import stacks
 from zerojax.flax.annotations import carried_tensor_specs, read_linen_boxes
 from zerojax.flax.nnx import nnx_building
 from zerojax.inspect.describe import Description, describe, replication_warnings
@@ -86,9 +87,11 @@ class ZeroShard:
         user = boundary(state)
         return self._layout(read_linen_boxes(user.tree, self.mesh, self.config)[0], user)
 
-    def _layout(self, tree, user: Boundary) -> StateLayout:
+    def _layout(self, tree, user: Boundary, stacks: set | None = None) -> StateLayout:
         """The layout of `tree` (`user`'s state, or what `manage` made of it) for the
-        tensor-parallel layout `user` declares."""
+        tensor-parallel layout `user` declares; `stacks`: the stacked parameters as Flax built
+        them (`flax.stacks`, from `init`), which decide the layout of a state first seen there
+        (and of every later state of its structure)."""
         tensor = self._declared(user)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         key = (
@@ -96,7 +99,7 @@ class ZeroShard:
             tuple(sorted(tensor.items())),
         )
         if key not in self._layouts:
-            self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor)
+            self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor, stacks)
             causes = replication_warnings(
                 self._layouts[key].plans, self.config, self.shard_size, jax.device_count()
             )
@@ -155,9 +158,10 @@ class ZeroShard:
         zero holds it: managed, as ShapeDtypeStructs carrying their shardings."""
         return self.holding(state)[0]
 
-    def holding(self, state: PyTree) -> tuple[PyTree, Boundary]:
+    def holding(self, state: PyTree, built: dict | None = None) -> tuple[PyTree, Boundary]:
         """(`abstract(state)`, the boundary whose `rebuild` turns such a tree into the user's
-        kind of state: for NNX objects, managed objects like them)."""
+        kind of state: for NNX objects, managed objects like them). `built`: what
+        `flax.stacks.recording` saw while `state` was made (its stacked parameters)."""
         user, seen = boundary(state), []
 
         def manage(tree):
@@ -165,7 +169,8 @@ class ZeroShard:
             return seen[-1].tree
 
         tree = jax.eval_shape(manage, user.tree)
-        shardings = self._layout(tree, user).shardings(self.mesh)  # user: its declared TP
+        stacked = stacks.stacked(built or {}, params_by_path(user.tree))
+        shardings = self._layout(tree, user, stacked).shardings(self.mesh)  # user: its TP
         abstract = jax.tree_util.tree_map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
         )
@@ -197,12 +202,13 @@ class ZeroShard:
         seen = []  # the traced state's boundary (to rebuild the user's kind) and its TP layout
 
         def make(*a, **k):  # traced once: init_fn may build a new model object per call
-            with nnx_building():
+            with nnx_building(), stacks.recording() as built:
                 user = boundary(init_fn(*a, **k))
                 declared, held = self._declared(user), self._managed(user, user.tree)
             seen.append((held, declared))
             state = jax.tree_util.tree_map(jnp.asarray, held.tree)
-            return to_storage(state, self._layout(state, user).shardings(self.mesh))
+            stacked = stacks.stacked(built, params_by_path(user.tree))
+            return to_storage(state, self._layout(state, user, stacked).shardings(self.mesh))
 
         state = jax.jit(make)(*args, **kwargs)
         held, declared = seen[-1]
@@ -223,7 +229,9 @@ class ZeroShard:
         compile and report a step for a model too large to allocate (nothing is allocated).
         NNX objects come back as abstract objects whose variables hold them."""
         with nnx_building():
-            abstract, held = self.holding(jax.eval_shape(init_fn, *args, **kwargs))
+            with stacks.recording() as built:
+                made = jax.eval_shape(init_fn, *args, **kwargs)
+            abstract, held = self.holding(made, built)
             return held.rebuild(abstract)
 
     def place_batch(self, batch: PyTree) -> PyTree:
@@ -248,6 +256,7 @@ class ZeroShard:
         if isinstance(static_argnums, int):
             static_argnums = (static_argnums,)
         statics = tuple(static_argnums)
+        step_fn = _unjitted(step_fn)
 
         def compile_and_report(keep_gathered: tuple, args: tuple):
             """memory_budget's trial: the step with `keep_gathered`, and its report."""
@@ -329,3 +338,21 @@ def _step_args(state, batch, step_args) -> tuple:
         )
     objects = state if isinstance(state, tuple) and boundary(state).objects else (state,)
     return (*objects, batch)
+
+
+def _unjitted(step_fn):
+    """The Python function inside a step already decorated with `jax.jit` or `nnx.jit`, with a
+    warning: zerojax compiles the step itself, with its own shardings and donation, so the
+    decorator's options (static_argnums, donate_argnums, shardings) do not apply, and a static
+    argument it named would reach the step traced."""
+    inner = getattr(step_fn, "__wrapped__", None)
+    if inner is None or not hasattr(step_fn, "lower"):
+        return step_fn
+    name = getattr(inner, "__name__", "the step")
+    warn(
+        f"zerojax: {name} is already a jax.jit (or nnx.jit) function; zerojax compiles the "
+        f"step itself and takes the function inside it ({name}.__wrapped__): the jit's options "
+        "do not apply. Pass its static arguments as zero(step, static_argnums=...); zerojax "
+        "donates the state itself. Decorate the plain function with @zero to silence this."
+    )
+    return inner

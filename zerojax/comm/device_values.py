@@ -11,7 +11,11 @@
   the per-device copies were folded); a new variable with the per-device batch first (a sown
   activation) comes back whole, its per-device parts concatenated in batch order.
 - Metrics a per-device step returns (`device_mean`): floating ones averaged, others device 0's.
-Everything here runs inside `shard_map`, on one device's values.
+Everything here runs inside `shard_map` without varying-axes checking (the model's per-device
+body, `jax.jit`'s semantics for user code), on one device's values: every collective here is
+one whose transpose is right under that `shard_map`'s rule (a replicated output's cotangent
+arrives divided by the device count): `psum`/`pmean` and the plain `all_gather`, never an
+"invarying" one.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from zerojax.core.errors import ZeroError
-from zerojax.core.rules import spec_names
 
 
 def is_key(x) -> bool:
@@ -53,7 +56,7 @@ def from_device_0(x, axis):
     if is_key(x):
         data = from_device_0(jax.random.key_data(x), axis)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-    return jax.lax.all_gather(varying(x, axis), axis, to="invarying")[0]
+    return jax.lax.all_gather(x, axis)[0]
 
 
 def device_mean(tree, axis):
@@ -63,14 +66,6 @@ def device_mean(tree, axis):
     return jax.tree_util.tree_map(
         lambda x: jax.lax.pmean(x, axis) if _is_float(x) else from_device_0(x, axis), tree
     )
-
-
-def varying(x, axis):
-    """`x` marked as varying over `axis` (a collective over it needs a per-device value); the
-    axes it already varies over (a scan body's slice) are left as they are."""
-    already = jax.typeof(x).mat.varying
-    axes = tuple(a for a in spec_names(axis) if a not in already)
-    return jax.lax.pcast(x, axes, to="varying") if axes else x
 
 
 def combine_state(new, given: dict, axis, local_rows: set):
@@ -87,7 +82,7 @@ def combine_state(new, given: dict, axis, local_rows: set):
             return given[path]
         per_example = path not in given and jnp.ndim(x) >= 1 and jnp.shape(x)[0] in local_rows
         if per_example:
-            return jax.lax.all_gather(varying(x, axis), axis, tiled=True, to="invarying")
-        return device_mean(varying(x, axis), axis)
+            return jax.lax.all_gather(x, axis, tiled=True)
+        return device_mean(x, axis)
 
     return jax.tree_util.tree_map_with_path(one, new)

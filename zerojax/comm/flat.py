@@ -1,7 +1,6 @@
 """One buffer per unit and dtype (`unit_buffers=True`): a unit's split leaves cross the network
 as one array each way, one all-gather and one reduce-scatter, instead of one per leaf; the
-parameters no unit holds (gathered once per step) likewise, and at stages 1-2 one all-reduce
-bucket for a unit's unsplit leaves.
+parameters no unit holds (gathered once per step) likewise.
 
 Each leaf's shard is laid out with its split dim first and flattened, and the shards are
 concatenated into an `(S,)` buffer, zero-padded to whole blocks of `ROWS` x `LANES` elements;
@@ -142,16 +141,4 @@ def reduce_leaves(grads: list, dims: list, reduce, n: int, buffers: bool) -> lis
         )
         for i, g in zip(group, shards, strict=True):
             out[i] = g
-    return out
-
-
-def all_reduce_bucket(grads: list, reduce) -> list:
-    """`grads` summed over the devices as one flat buffer (DDP's gradient bucket): one
-    `reduce` (a psum) for all of them instead of one per leaf, each back in its shape."""
-    sizes = [g.size for g in grads]
-    summed = reduce(jnp.concatenate([g.reshape(-1) for g in grads]))
-    out, at = [], 0
-    for g, size in zip(grads, sizes, strict=True):
-        out.append(summed[at : at + size].reshape(g.shape))
-        at += size
     return out

@@ -121,7 +121,12 @@ def comm_for(mesh, cfg: ZeroConfig) -> Comm:
 def manual_over_data(f, mesh, comm: Comm, in_specs, out_specs, check_vma: bool = True):
     """`jax.shard_map(f)` manual over the data axes only: the mesh's other axes (the model's own
     tensor parallelism) stay XLA's, inside `f` too, so the specs keep only the data axes (the
-    model's are dropped from them; each array keeps its sharding over them)."""
+    model's are dropped from them; each array keeps its sharding over them).
+    `check_vma=False` where `f` runs user code (the model): JAX then types nothing as varying
+    over the devices, so code `jax.jit` accepts (a scan carry built from zeros, exact GELU's
+    JVP) runs unchanged; autodiff follows the specs alone: an input whose spec names no data
+    axis gets its per-device cotangents summed over them as backward leaves `f`, and a
+    replicated output's cotangent enters `f` divided by the device count."""
     manual = frozenset(a for a, _ in comm.data)
 
     def keep(entry):
@@ -182,7 +187,8 @@ def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
     """One device's gradient summed over all devices: split along `dim` over the shard axes
     (a reduce-scatter; quantized all-to-alls with qgZ) then summed over the replica axes, or,
     when `dim` is None, all-reduced whole. `replicas=False` leaves out the replica sum (for
-    leaves made per-replica by `vary_over_replicas`, whose transpose does it). `reduce_dtype`
+    a unit's leaves, whose replica sum the model's `shard_map` does as backward leaves it: their
+    spec names no replica axis). `reduce_dtype`
     (None keeps it) is the dtype of the unquantized collectives. The one place where zerojax
     reduces gradients."""
     g = in_reduce_dtype(g, reduce_dtype)
@@ -199,17 +205,6 @@ def reduce_gradient(g, dim, comm: Comm, reduce_dtype, replicas: bool = True):
         )
         g = _on_rows(scatter, g, dim, comm)
     return jax.lax.psum(g, replica) if replica else g
-
-
-def vary_over_replicas(tree, comm: Comm):
-    """MiCS: parameter shards (replicated over the replica axes) cast to per-replica values
-    before a layer uses them, so that autodiff sums their gradients over the replicas (the
-    transpose of this cast is that psum) wherever the layer runs (a scan body included)."""
-    if not comm.replica:
-        return tree
-    return jax.tree_util.tree_map(
-        lambda x: jax.lax.pcast(x, axis_name(comm.replica), to="varying"), tree
-    )
 
 
 def secondary_shard(full, dim, comm: Comm):

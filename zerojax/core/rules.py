@@ -249,26 +249,20 @@ def stage_splits(cfg: ZeroConfig, category: str, floating=False, mirrors=False) 
     return floating and (cfg.shards_parameters or (mirrors and cfg.shards_optimizer_state))
 
 
-def plan_state(state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None) -> StateLayout:
+def plan_state(
+    state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None, stacks: set | None = None
+) -> StateLayout:
     """The `StateLayout` of `state` (a pytree of arrays or ShapeDtypeStructs) holding its
     parameters under a `params` field or key, or a tuple `(params, opt_state, ...)`. `tensor`
-    maps parameter paths to their `TensorSpec`. Use `ZeroShard.layout`, which caches it."""
+    maps parameter paths to their `TensorSpec`; `stacks`, the parameter paths a lifted
+    transform stacks as Flax built them (`flax.stacks`), None where nothing says (then
+    `stacked_params` reads them from shapes). Use `ZeroShard.layout`, which caches it."""
     tensor = tensor or {}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    params = [x for p, x in leaves if category_of(p) == PARAMS]
-    if not params:
-        named = PARAMS in state if isinstance(state, dict) else hasattr(state, PARAMS)
-        raise ZeroError(
-            "the state's `params` holds no arrays: there is nothing to train or shard (did the "
-            "model's init return empty variables?)."
-            if named
-            else f"the state ({type(state).__name__}) has no `params`: zerojax needs the "
-            "parameters under a field or key named `params` (a flax TrainState, or a "
-            "dict/dataclass with `params` and `opt_state`), or a tuple `(params, opt_state)`."
-        )
-    stacks = stacked_params(
-        {path_str(p[1:]): x.shape for p, x in leaves if category_of(p) == PARAMS}
-    )
+    params = params_by_path(state)
+    _check_has_params(state, params)
+    if stacks is None:
+        stacks = stacked_params({path: x.shape for path, x in params.items()})
     param_specs = {}
     plans = []
     for path, leaf in leaves:
@@ -324,8 +318,34 @@ def _warn_unmatched_rules(cfg: ZeroConfig, paths: list) -> None:
             )
 
 
+def _check_has_params(state, params: dict) -> None:
+    """A state without parameters fails with what zerojax needs."""
+    if params:
+        return
+    named = PARAMS in state if isinstance(state, dict) else hasattr(state, PARAMS)
+    raise ZeroError(
+        "the state's `params` holds no arrays: there is nothing to train or shard (did the "
+        "model's init return empty variables?)."
+        if named
+        else f"the state ({type(state).__name__}) has no `params`: zerojax needs the "
+        "parameters under a field or key named `params` (a flax TrainState, or a "
+        "dict/dataclass with `params` and `opt_state`), or a tuple `(params, opt_state)`."
+    )
+
+
+def params_by_path(state) -> dict:
+    """{parameter path below `params`: leaf} of a state."""
+    return {
+        path_str(p[1:]): x
+        for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+        if category_of(p) == PARAMS
+    }
+
+
 def stacked_params(shapes: dict) -> set:
-    """The parameters (paths below `params` -> shapes) that lie in a stack of layers, as
+    """The parameters (paths below `params` -> shapes) that lie in a stack of layers, read
+    from shapes where Flax has said nothing (a state built elsewhere and placed with
+    `zero.shard`, NNX; `zero.init` of a Linen model reads it from Flax: `flax.stacks`), as
     `nn.scan` or `nnx.vmap` makes them: under a module of two or more matrices whose leaves
     all share a leading size that some matrix lacks in its other dims (square `[d, d]` kernels
     with their `[d]` biases are not a stack; 8 layers of 8 heads beside a norm are). A guess
@@ -437,25 +457,33 @@ def spec_entry(names: tuple):
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def check_placed(state, shardings):
-    """Fail with a clear message (not an XLA device mismatch) if `state` was not placed by zero."""
-    for (path, leaf), want in zip(
-        jax.tree_util.tree_flatten_with_path(state)[0],
-        jax.tree_util.tree_leaves(shardings),
-        strict=True,
-    ):
+def placed_state(state, shardings):
+    """`state` as the step takes it: a leaf besides the parameters and optimizer state that the
+    layout keeps whole on every device (a metric's count, an RNG key: an NNX object made outside
+    `zero.init`) is placed there, as `jax.jit` and `nnx.jit` place such an argument; any other
+    leaf not placed by zero fails with a clear message (not an XLA device mismatch)."""
+    flat, tree = jax.tree_util.tree_flatten_with_path(state)
+    out = []
+    for (path, leaf), want in zip(flat, jax.tree_util.tree_leaves(shardings), strict=True):
         have = getattr(leaf, "sharding", None)
-        if have is None or not have.is_equivalent_to(want, np.ndim(leaf)):
-            mesh = getattr(have, "mesh", None)
-            if isinstance(mesh, jax.sharding.Mesh) and mesh != want.mesh:
-                how = (
-                    f"it lives on a mesh {dict(mesh.shape)}, this zero_shard's is "
-                    f"{dict(want.mesh.shape)}: a state from another zero_shard?"
-                )
-            else:
-                how = f"it has {have}, expected {want.spec} on the mesh"
-            raise ZeroError(
-                f"state leaf {path_str(path)} is not placed as this zero_shard expects ({how}): "
-                "create the state with this zero's zero.init(...), or move it here with "
-                "zero.shard(state)."
+        if have is not None and have.is_equivalent_to(want, np.ndim(leaf)):
+            out.append(leaf)
+            continue
+        mesh = getattr(have, "mesh", None)
+        on_a_mesh = isinstance(mesh, jax.sharding.Mesh)
+        if category_of(path) == OTHER and want.is_fully_replicated and not on_a_mesh:
+            out.append(jax.device_put(leaf, want))
+            continue
+        if on_a_mesh and mesh != want.mesh:
+            how = (
+                f"it lives on a mesh {dict(mesh.shape)}, this zero_shard's is "
+                f"{dict(want.mesh.shape)}: a state from another zero_shard?"
             )
+        else:
+            how = f"it has {have}, expected {want.spec} on the mesh"
+        raise ZeroError(
+            f"state leaf {path_str(path)} is not placed as this zero_shard expects ({how}): "
+            "create the state with this zero's zero.init(...), or move it here with "
+            "zero.shard(state)."
+        )
+    return jax.tree_util.tree_unflatten(tree, out)

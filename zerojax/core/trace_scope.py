@@ -28,7 +28,7 @@ class Scope:
     said: set | None = None  # warnings a zero has given (`errors.once_per`)
     update: Callable | None = None  # ZeroTx.update's managed update (`managed.updating`)
     running_model: bool = False  # the per-device model is traced: its calls are not hooked
-    gather: Any = None  # the stage-3 GatherContext of the per-device model (`flax.gather`)
+    gather: Any = None  # the stage-3 GatherContext of the per-device model (`flax.unit_calls`)
     inside_unit: bool = False  # a unit's own modules run, on its gathered weights
     discovery: dict | None = None  # {path: ModuleCall} recorded while units are found
     nnx_handler: Callable | None = None  # where an NNX root's calls go (`flax.nnx_calls`)

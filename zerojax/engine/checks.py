@@ -105,37 +105,35 @@ def check_init_fn(init_fn, args, kwargs) -> None:
 def pmap_collectives_named(fn, mesh_axes: tuple):
     """A step or model written for `jax.pmap` (a `lax.pmean` over its axis name, as Flax's
     imagenet example's step; a layer given `axis_name=`, as its BatchNorm) fails with a
-    ZeroError saying what to change, not jax's unbound-axis NameError (outside the per-device
-    model) or its bare AssertionError (inside it, on an axis the mesh does not have)."""
+    ZeroError saying what to change, not jax's unbound-axis NameError or AssertionError."""
     try:
         yield
-    except NameError as e:
-        match = re.search(r"unbound axis name: (\S+?)\.", str(e))
-        if match is None:
+    except (NameError, AssertionError) as e:
+        missing = _axes_not_in_mesh(e, mesh_axes)  # a layer that names its axis (BatchNorm)
+        unbound = re.search(r"unbound axis name: (\S+?)\.", str(e))
+        if missing:
+            raise ZeroError(
+                f"the model reduces over the axis {missing[0]!r}, which the mesh does not have: "
+                "a layer given axis_name= for jax.pmap, as Flax's BatchNorm(axis_name='batch') "
+                "in its imagenet example. The model runs once per device on zerojax's data "
+                f"axis: name that axis after the layer's, zero_shard(..., axis={missing[0]!r}), "
+                "and it reduces over all devices as under jax.pmap (or drop axis_name= to keep "
+                "each device's own)."
+            ) from None
+        if unbound is None:
             raise
         raise ZeroError(
-            f"{getattr(fn, '__name__', 'the step')} reduces over the axis {match[1]!r} "
+            f"{getattr(fn, '__name__', 'the step')} reduces over the axis {unbound[1]!r} "
             "(lax.pmean / lax.psum), as a step written for jax.pmap does. A zerojax step is "
             "one program over the global batch whose gradients zerojax reduces, as under "
             "jax.jit: remove the collective (its gradients and metrics are global already)."
         ) from None
-    except AssertionError as e:
-        missing = _axes_not_in_mesh(e, mesh_axes)
-        if not missing:
-            raise
-        raise ZeroError(
-            f"the model reduces over the axis {missing[0]!r}, which the mesh does not have: "
-            "a layer given axis_name= for jax.pmap, as Flax's BatchNorm(axis_name='batch') in "
-            "its imagenet example. The model runs once per device on zerojax's data axis: name "
-            f"that axis after the layer's, zero_shard(..., axis={missing[0]!r}), and it reduces "
-            "over all devices as under jax.pmap (or drop axis_name= to keep each device's own)."
-        ) from None
 
 
-def _axes_not_in_mesh(error: AssertionError, mesh_axes: tuple) -> list:
+def _axes_not_in_mesh(error: Exception, mesh_axes: tuple) -> list:
     """The axis names not in `mesh_axes` that the innermost frame naming an `axis_name` (a
     collective's caller: Flax's normalisation layers, a user's `lax.pmean(x, axis_name)`)
-    passed, when jax's assertion failed under it; empty when none does (another assertion).
+    passed, when jax failed under it (an unbound axis); empty when none does.
     JAX drops its own frames from the traceback, so the caller's are what is left to read."""
     frames = []
     tb = error.__traceback__

@@ -1,17 +1,25 @@
-"""The `apply_fn` hook: run the model per device with explicit ZeRO collectives.
+"""The per-device hook: run a model call once per device with explicit ZeRO collectives.
 
-Inside a zerojax step, `state.apply_fn(variables, *args)` runs the unchanged model once per
-device on that device's slice of the batch (`shard_map`), with full parameter copies from
-`comm.device_copies` in the compute dtype. Gradients therefore leave the model unreduced, one
-block per device, and `device_copies`' backward reduces them: all-reduce for stages 0-1,
-reduce-scatter for 2-3. Everything outside the model (loss, optimizer update) stays in XLA's
-global view, so any optax transformation, global-norm clipping included, sees exactly the
-single-device numbers. With fp16, the cotangent entering the model is multiplied by the loss
-scale and the parameter gradients are divided by it (in fp32) as they leave. "Per device"
-means per position on the data axes: a mesh's other axes (the model's tensor parallelism)
-stay XLA's. Each device draws its own RNG stream and the state a call writes comes back as
-one value (`zerojax.comm.device_values`). `zerojax.flax.model_calls` sends a step's model
-calls here.
+Inside a zerojax step each model call that `zerojax.flax.model_calls` catches (a Linen model
+applied wherever Flax applies it, a plain-JAX `state.apply_fn`, an NNX module's call) runs
+through `hooked_apply_fn`: once per device on that device's slice of the batch (`shard_map`
+over the data axes, the mesh's other axes staying XLA's), planned from shapes
+(`zerojax.core.call_plan`) and run by a `Runner`:
+- whole parameters enter as full copies from `comm.device_copies` in the compute dtype, so
+  their gradients leave the model unreduced, one block per device, and `device_copies`'
+  backward reduces them: an all-reduce at stage 0, a reduce-scatter from stage 1 (the
+  gradient each device keeps is its slice);
+- a unit's parameters enter as this device's shards (stage 3) or split as their gradient is
+  (stages 1-2), and the unit gathers and reduces them itself (`zerojax.flax.unit_calls`);
+- other state enters with its RNG keys folded per device and what a call writes comes back
+  as one value (`zerojax.comm.device_values`).
+User code runs there with `jax.jit`'s semantics: the `shard_map` does no varying-axes checking
+(so a scan carry built from zeros or exact GELU's JVP runs as under `jax.jit`), and autodiff
+follows its specs: an input it receives whole has its per-device gradients summed as backward
+leaves it. Everything outside the model (loss, optimizer update) stays in XLA's global view,
+so any optax transformation, global-norm clipping included, sees exactly the single-device
+numbers. With fp16, the cotangent entering the model is multiplied by the loss scale and the
+parameter gradients are divided by it (in fp32) as they leave.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from zerojax.comm.device_values import combine_state, fold_keys
 from zerojax.comm.gather import compute_copies, device_copies, scale_cotangent, to_compute
-from zerojax.comm.hierarchy import Comm, manual_over_data
+from zerojax.comm.hierarchy import Comm, in_reduce_dtype, manual_over_data
 from zerojax.comm.offload import activation_policy
 from zerojax.core.call_plan import (
     OTHER,
@@ -42,10 +50,10 @@ from zerojax.core.call_plan import (
 )
 from zerojax.core.errors import warn
 from zerojax.core.policy import UnitPolicy
-from zerojax.core.rules import PARAMS, StateLayout, key_name
+from zerojax.core.rules import PARAMS, StateLayout, key_name, split_dim
 from zerojax.core.trace_scope import fresh_traces, scoped
-from zerojax.flax.gather import LAYER, GatherContext
-from zerojax.flax.units import discovering, running_units, select_units
+from zerojax.flax.unit_calls import LAYER, GatherContext
+from zerojax.flax.units import discovering, running_units, select_units, stacks_only
 
 
 @dataclasses.dataclass
@@ -83,44 +91,52 @@ class Site:
 
 
 def hooked_apply_fn(apply_fn, site: Site, scale=None, stateful: bool | None = None):
-    """`apply_fn` with explicit collectives over `site`'s axes; `scale` is the fp16 loss scale
-    (None without loss scaling). `stateful`: whether `apply_fn` returns `(outputs, written
-    state)`; None reads it from a Linen call's `mutable=` and `capture_intermediates=` (and
-    takes its `rngs=` as the keys each device folds). Each call is planned from shapes
-    (`zerojax.core.call_plan`) and run per device by a `Runner`. See
-    `zerojax.comm.device_values` for what each device draws and how written state becomes one."""
-    linen, policy = stateful is None, site.policy
+    """`apply_fn(variables, *args, **kwargs)` run per device with explicit collectives over
+    `site`'s axes; `scale` is the fp16 loss scale (None without loss scaling). `stateful`:
+    whether `apply_fn` returns `(outputs, written state)`; None reads it from a Linen call's
+    `mutable=` and `capture_intermediates=` (and takes its `rngs=` as the keys each device
+    folds). Each call is planned (`_plan`) and run per device by a `Runner`."""
+    linen = stateful is None
 
     def apply(variables, *args, **kwargs):
         returns_state = _linen_stateful(kwargs) if linen else stateful
         rngs = _rngs_dict(kwargs.pop("rngs", None)) if linen else None
         flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         dynamic = [i for i, x in enumerate(flat) if is_array(x)]
-        found = {}
-        if policy.uses_units:
-            keys = {} if rngs is None else {"rngs": rngs}
-            found = _units(apply_fn, variables, (args, {**kwargs, **keys}), site, policy.units)
-        unit_leaves = {unit: call.param_ndims for unit, call in found.items()}
         values = tuple(flat[i] for i in dynamic)
-        plan = plan_call(
-            site.layout, policy, variables, list(values), site.batch_rows,
-            FoundUnits(unit_leaves, linen),
-        )  # fmt: skip
-        site.log.calls.append(frozenset(plan.units))
-        if site.comm.secondary and not plan.where(UNIT):
-            warn(
-                "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
-                "units, so its parameters are gathered once per step and kept for backward "
-                "(no backward gather to keep inside the node). Name its blocks with units=."
-            )
-        model = _model(apply_fn, flat, dynamic, in_tree, policy.offload_activations)
+        keys = {} if rngs is None else {"rngs": rngs}
+        plan = _plan(apply_fn, variables, (args, {**kwargs, **keys}), values, site, linen)
+        model = _model(apply_fn, flat, dynamic, in_tree, site.policy.offload_activations)
         out = Runner(plan, model, site, returns_state)(variables, rngs, values, scale)
+        if scale is None:
+            return out
         if not returns_state:
-            return out if scale is None else scale_cotangent(out, scale)
+            return scale_cotangent(out, scale)
         out, written = out
-        return (out if scale is None else scale_cotangent(out, scale)), written
+        return scale_cotangent(out, scale), written
 
     return apply
+
+
+def _plan(apply_fn, variables, call: tuple, values: tuple, site: Site, linen: bool) -> CallPlan:
+    """The plan of one call (`call`: its `(args, kwargs)`, `values`: its array arguments): its
+    units found by an abstract trace (`_units`) when the options use units, each leaf's role
+    from shapes (`call_plan.plan_call`); the units noted in the step's log."""
+    policy = site.policy
+    found = _units(apply_fn, variables, call, site, policy.units) if policy.uses_units else {}
+    unit_leaves = {unit: module_call.param_ndims for unit, module_call in found.items()}
+    plan = plan_call(
+        site.layout, policy, variables, list(values), site.batch_rows,
+        FoundUnits(unit_leaves, linen),
+    )  # fmt: skip
+    site.log.calls.append(frozenset(plan.units))
+    if site.comm.secondary and not plan.where(UNIT):
+        warn(
+            "zerojax: hpz_partition_size has nothing to do: the model has no stage-3 "
+            "units, so its parameters are gathered once per step and kept for backward "
+            "(no backward gather to keep inside the node). Name its blocks with units=."
+        )
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +169,10 @@ class Runner:
                 tuple(leaves[i].dtype for i in whole),
             ),
         )
-        shards = tuple(leaves[i] for i in units)
+        unit_specs = pick(units, "grad" if plan.in_place else "store")
+        shards, carriers = _with_gradient_carriers(
+            [leaves[i] for i in units], unit_specs, comm, self.site.policy.reduce_dtype
+        )
         wholes = tuple(  # stages 1-2: the unit's whole weights, beside its split gradient
             jax.lax.stop_gradient(to_compute(leaves[i], plan.leaves[i].compute_dtype))
             for i in plan.split_in_place
@@ -164,7 +183,7 @@ class Runner:
         in_specs = (
             (
                 tuple(batch for _ in whole),
-                pick(units, "grad" if plan.in_place else "store"),
+                (unit_specs, {i: P() for i in carriers}),
                 pick(plan.split_in_place, "store"),
                 P(),
             ),
@@ -175,9 +194,8 @@ class Runner:
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(variables)[0]]
         other_paths = [paths[i] for i in plan.where(OTHER)]  # to match the state written
         body = functools.partial(self.body, jax.tree_util.tree_structure(variables), other_paths)
-        return manual_over_data(body, mesh, comm, in_specs, out_specs)(
-            (copies, shards, wholes, others), rngs, values, scale
-        )
+        run = manual_over_data(body, mesh, comm, in_specs, out_specs, check_vma=False)
+        return run((copies, (shards, carriers), wholes, others), rngs, values, scale)
 
     def body(self, var_tree, other_paths, entering, rngs, values, scale):
         """The model on this device's rows, with its parameters as the plan says: `entering`
@@ -186,9 +204,14 @@ class Runner:
         plan, axis = self.plan, self.site.comm.data_axis
         copies, shards, wholes, others = entering
         local_rows = {r // self.site.comm.data_size for r in self.site.batch_rows}
+        shards, carriers = shards
+        shards = tuple(  # a carrier adds zeros whose gradient is the leaf's, in the reduce dtype
+            x + carriers[i].astype(x.dtype) if i in carriers else x for i, x in enumerate(shards)
+        )
+        readable, own_shards = self.readable_units(shards)
         entering = {
             WHOLE: (c[0] for c in copies),
-            UNIT: iter(shards),
+            UNIT: iter(readable),
             OTHER: iter(fold_keys(others, axis)),
         }
         variables_local = jax.tree_util.tree_unflatten(
@@ -204,7 +227,7 @@ class Runner:
             if plan.in_place:
                 paths = [plan.leaves[i].path for i in plan.split_in_place]
                 whole = dict(zip(paths, jax.lax.stop_gradient(wholes), strict=True))
-            ctx = self.gather_context(scale, whole)
+            ctx = dataclasses.replace(self.gather_context(scale, whole), shards=own_shards)
         extra = {} if rngs is None else {"rngs": fold_keys(rngs, axis, raw=True)}
         with running_units(ctx):
             out = self.model(variables_local, values, extra)
@@ -215,6 +238,28 @@ class Runner:
         _check_outputs(out, local_rows)
         received = dict(zip(other_paths, others, strict=True))  # unfolded, keyed as written
         return out, combine_state(written, received, axis, local_rows)
+
+    def readable_units(self, shards: tuple) -> tuple[list, dict]:
+        """The units' leaves as the model's variables hold them, and {path: shard} of those
+        held whole: a leaf split on a dim its call sees is held gathered, so that code reading
+        it without calling its unit (a tied head reading the embedding through `.variables`)
+        reads the whole weight, and its gradient comes back reduce-scattered (the gather's
+        transpose); the unit itself runs on the shard (`flax.unit_calls.run_unit`). A gather
+        nothing reads is dropped by jit: one that reads none costs nothing. A stacked unit's
+        leaves (sliced by the lifted transform) stay shards."""
+        plan, comm = self.plan, self.site.comm
+        held, own = [], {}
+        for i, shard in zip(plan.where(UNIT), shards, strict=True):
+            leaf = plan.leaves[i]
+            unit = next(u for u in plan.units if leaf.path.startswith(u + "/"))
+            spec = leaf.grad if plan.in_place else leaf.store
+            dim = split_dim(spec, comm.shard_axis)
+            if dim is None or plan.layers[unit]:
+                held.append(shard)
+                continue
+            held.append(jax.lax.all_gather(shard, comm.shard_axis, axis=dim, tiled=True))
+            own[leaf.path] = shard
+        return held, own
 
     def gather_context(self, scale, whole) -> GatherContext:
         """What the units of this call need to gather (or, `whole`, to reduce in place)."""
@@ -227,6 +272,25 @@ class Runner:
             scale=scale,
             whole=whole,
         )
+
+
+def _with_gradient_carriers(leaves: list, specs: tuple, comm: Comm, reduce_dtype):
+    """The units' leaves as the model's body takes them, and {position: carrier}. A leaf the
+    body receives whole (its spec splits no dim) has its per-device gradients summed by the
+    `shard_map`'s transpose, in the dtype it enters in; where that is not the reduce dtype
+    (`in_reduce_dtype`: a float32 leaf with grad_reduce_dtype='bf16', a bf16 one with fp32),
+    the leaf enters without its gradient and a carrier beside it, zeros in the reduce dtype
+    whose gradient reaches the leaf: the body adds it back, so forward reads the leaf exactly
+    and backward sums the gradient in the reduce dtype."""
+    out, carriers = list(leaves), {}
+    for i, (x, spec) in enumerate(zip(leaves, specs, strict=True)):
+        if split_dim(spec, comm.shard_axis) is not None:
+            continue
+        reduced = in_reduce_dtype(x, reduce_dtype)
+        if reduced.dtype != x.dtype:
+            out[i] = jax.lax.stop_gradient(x)
+            carriers[i] = reduced - jax.lax.stop_gradient(reduced)
+    return tuple(out), carriers
 
 
 def _compute_dtypes(variables, dtype) -> tuple:
@@ -304,10 +368,11 @@ def _units(apply_fn, variables, call: tuple, site: Site, selected) -> dict:
     in_specs = (P(), [_rows_spec(flat[i], site.batch_rows, site.comm) for i in arrays])
     with discovering() as found:
         jax.eval_shape(
-            manual_over_data(body, site.mesh, site.comm, in_specs, P()),
+            manual_over_data(body, site.mesh, site.comm, in_specs, P(), check_vma=False),
             jax.tree_util.tree_map(shape, variables),
             [shape(flat[i]) for i in arrays],
         )
+    found = stacks_only(found, variables.get(PARAMS, {}))
     return {u: found[u] for u in sorted(select_units(found, selected))}
 
 

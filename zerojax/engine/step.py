@@ -20,7 +20,7 @@ import numpy as np
 
 from zerojax.core.errors import ZeroError, once_per, warn
 from zerojax.core.mesh import without_memories
-from zerojax.core.rules import StateLayout, check_placed
+from zerojax.core.rules import StateLayout, placed_state
 from zerojax.engine.checks import check_arity, check_call, pmap_collectives_named
 from zerojax.engine.hook import TraceLog
 from zerojax.engine.placement import Placement, place_batch
@@ -92,9 +92,9 @@ class ZeroStep:
         self.check()
         micro_index = self._micro_index(call.state.tree)
         jitted, shardings, log, batch = self._prepare(call, self._is_micro(micro_index), args)
-        check_placed(call.state.tree, shardings)
+        tree = placed_state(call.state.tree, shardings)
         with pmap_collectives_named(self.fn, self.placement.mesh.axis_names):
-            out = jitted(call.state.tree, batch, *call.extra)
+            out = jitted(tree, batch, *call.extra)
         self._last = log
         self._warn_if_not_hooked()
         if call.state.objects is not None:  # NNX: the objects take the new state, fn's return

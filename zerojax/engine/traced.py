@@ -33,7 +33,7 @@ from zerojax.engine.hook import Site, hooked_apply_fn
 from zerojax.engine.local_step import local_body
 from zerojax.engine.outputs import finish, one_capture, same_structure, split_output, with_metrics
 from zerojax.engine.variant import Variant
-from zerojax.flax.model_calls import linen_calls_hooked, nnx_calls_hooked
+from zerojax.flax.model_calls import apply_fn_hooked, linen_calls_hooked, nnx_calls_hooked
 from zerojax.flax.nnx_managed import ManagedObjects
 from zerojax.update.managed import (
     UpdateCall,
@@ -77,7 +77,7 @@ def traced_global(v: Variant, state, batch, extra: tuple):
     scale = state.opt_state.scale if managed and v.update.scales_loss else None
     hook = hook_for(v, scale)
     if v.explicit and callable(original) and hasattr(state, "replace"):
-        view = view.replace(apply_fn=hook(original))
+        view = view.replace(apply_fn=apply_fn_hooked(original, hook, v.log))
     elif managed and v.update.uses_16bit:
         raise ZeroError(
             "16-bit precision casts parameters where state.apply_fn uses them, which the "

@@ -15,11 +15,51 @@ from flax import nnx
 from flax.core.scope import Scope
 
 from zerojax.core.call_plan import is_array, on_batch, with_values
+from zerojax.core.errors import warn
 from zerojax.core.rules import PARAMS
 from zerojax.core.trace_scope import current, fresh_traces, scoped
-from zerojax.flax.gather import inside_unit
 from zerojax.flax.nnx import objects_in, objects_out
 from zerojax.flax.nnx_calls import routed, split_params, with_params
+from zerojax.flax.unit_calls import inside_unit
+
+
+def apply_fn_hooked(apply_fn, hook, log):
+    """`state.apply_fn` as a zerojax step sees it. A Linen module's bound `apply` goes to
+    `hook` as it is. Anything else is called however the step calls it (Hugging
+    Face's keyword-only `model.__call__(input_ids=..., params=...)`, a lambda, a bound method),
+    the Flax model inside it caught where Flax applies it (`linen_calls_hooked`, in force for
+    the step).
+    An `apply_fn` in which no model call was caught (plain JAX, no Flax module) is run through
+    `hook(apply_fn)`, whose first argument is the variables, as `TrainState.apply_fn`'s is;
+    one that takes no positional argument runs as it is, in XLA's global view, with a
+    warning. `log` (the step's `TraceLog`) counts the calls caught."""
+
+    if _is_linen_apply(apply_fn):  # Linen's own signature: straight to the hook
+        return hook(apply_fn)
+
+    def apply(*args, **kwargs):
+        before = len(log.calls)
+        out = apply_fn(*args, **kwargs)
+        if len(log.calls) > before:
+            return out
+        if args:  # traced once more: jit drops the unused first trace's work
+            return hook(apply_fn)(*args, **kwargs)
+        warn(
+            "zerojax: state.apply_fn ran no Flax module that zerojax could run per device "
+            "and takes no positional variables, so it ran as XLA partitions it, without "
+            "zerojax's explicit collectives (stage-3 units, the gradient reduce-scatter). Apply "
+            "a Flax model on the batch inside it, or pass the variables first."
+        )
+        return out
+
+    return apply
+
+
+def _is_linen_apply(fn) -> bool:
+    """Whether `fn` is a Linen module's bound `apply`: called as `apply(variables, *args,
+    mutable=..., capture_intermediates=...)`, the signature the hook reads (a partial may
+    hold some of those keywords, so it goes the general way)."""
+    return isinstance(getattr(fn, "__self__", None), nn.Module) and fn.__name__ == "apply"
 
 
 @contextlib.contextmanager

@@ -19,11 +19,6 @@ from zerojax.core.rules import path_str
 from zerojax.flax.annotations import tensor_specs_of
 
 FIELDS = ("params", "opt_state", "other")
-NNX_UNMANAGED = (
-    "with NNX objects zerojax does not manage the update: keep precision='fp32' (give the "
-    "model a bf16 dtype for 16-bit compute), and put clipping and accumulation in the optax "
-    "chain (optax.clip_by_global_norm, optax.MultiSteps)."
-)
 
 
 def is_nnx_object(x) -> bool:

@@ -20,8 +20,8 @@ import jax
 from flax import nnx
 
 from zerojax.core.trace_scope import current, scoped
-from zerojax.flax.gather import run_unit
 from zerojax.flax.nnx import objects_in, objects_out
+from zerojax.flax.unit_calls import run_unit
 from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
 
 

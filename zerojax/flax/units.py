@@ -1,6 +1,6 @@
 """Which Linen modules stage 3 gathers as units, chosen from outside the model.
 
-A unit's parameters rest as shards and are gathered only while it runs (`flax.gather`). The
+A unit's parameters rest as shards and are gathered only while it runs (`flax.unit_calls`). The
 units are found by tracing the model once, abstractly, with a Flax method interceptor
 (`nn.intercept_methods`) that records every module call: its path, class, whether it is the
 body of a lifted transform (`nn.scan`, `nn.remat`) and what it reads. `ZeroConfig.units`
@@ -24,7 +24,7 @@ from flax.core.scope import Scope
 
 from zerojax.core.errors import warn
 from zerojax.core.trace_scope import current, fresh_traces, retrace_from_here, scoped
-from zerojax.flax.gather import (
+from zerojax.flax.unit_calls import (
     GatherContext,
     current_context,
     gather_context,
@@ -49,7 +49,7 @@ class ModuleCall:
 
     path: str  # 'layers' or 'blocks_0/mlp'
     cls: str
-    lifted: bool  # the body of a lifted transform (nn.scan, nn.remat)
+    lifted: bool  # the body of a lifted transform (nn.scan, nn.remat; `stacks_only` narrows it)
     marked: bool  # its class went through gather_on_use
     has_params: bool
     param_ndims: tuple = ()  # ((leaf path below the module, ndim seen by the call), ...)
@@ -73,7 +73,7 @@ def intercept(next_fun, args, kwargs, context):
     return dispatch(
         path,
         lambda: _record(module, path),
-        lambda: gather_unit(module, method, args, kwargs),
+        lambda: gather_unit(module, context.orig_method.func, args, kwargs),
         lambda: next_fun(*args, **kwargs),
     )
 
@@ -134,6 +134,27 @@ def running_units(ctx: GatherContext | None):
     units gathers the unit's weights (or, stages 1-2, reduces its gradient in place)."""
     with gather_context(ctx), nn.intercept_methods(intercept), fresh_traces():
         yield
+
+
+def stacks_only(calls: dict, params) -> dict:
+    """`calls` with `lifted` kept only for the bodies of a lifted transform that stacks their
+    parameters (`nn.scan` or `nn.vmap` over 'params': the call sees fewer dims than `params`,
+    the stored parameters, hold). A body that sees its parameters whole (an `nn.RNN` cell, which
+    `nn.scan` runs once per time step on the same weights; an `nn.remat` block) is a unit only
+    by the other rules: gathering it would gather the same weights once per time step."""
+    stored = {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.ndim(x)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+
+    def stacked(call) -> bool:
+        prefix = f"{call.path}/" if call.path else ""
+        return any(stored.get(prefix + leaf, ndim) > ndim for leaf, ndim in call.param_ndims)
+
+    return {
+        path: dataclasses.replace(call, lifted=call.lifted and stacked(call))
+        for path, call in calls.items()
+    }
 
 
 def select_units(calls: dict, units) -> frozenset:

@@ -11,7 +11,8 @@ reduce-scatters the weight gradient at once and drops the gathered copy.
 With `recompute_units=True` forward keeps only the shards and the layer input and backward
 recomputes the layer (the least memory, a forward's FLOPs more). At stages 1-2 a unit runs on
 the step's whole weights and gathers nothing; its gradient is reduce-scattered as backward
-leaves it (its unsplit leaves' all-reduced as one bucket).
+leaves it. A unit's unsplit leaves enter the per-device body whole, and the body's `shard_map`
+sums their gradients as backward leaves the model (`engine.hook.Runner`).
 Each gather is made to depend on the layer's input (forward) or cotangent (backward), so XLA
 cannot issue them all up front, and the backward gather cannot be merged with the forward one.
 With `prefetch=1` an unrolled layer's gather depends instead on the previous gathered layer's
@@ -41,21 +42,17 @@ import numpy as np
 from flax.core.scope import bind as bind_scope
 from flax.core.tracers import current_trace
 
-from zerojax.comm.device_values import varying
-from zerojax.comm.flat import all_reduce_bucket, gather_leaves, reduce_leaves
+from zerojax.comm.flat import gather_leaves, reduce_leaves
 from zerojax.comm.gather import to_compute, unscale
 from zerojax.comm.hierarchy import (
     Comm,
     gather_secondary,
     gather_weight,
-    in_reduce_dtype,
     reduce_gradient,
     secondary_shard,
-    vary_over_replicas,
 )
 from zerojax.core.call_plan import is_array, with_values
 from zerojax.core.policy import UnitPolicy
-from zerojax.core.rules import spec_names
 from zerojax.core.trace_scope import current, scoped
 
 LAYER = "zerojax_layer"  # the leaf a stacked unit reads its layer index from (stages 1-2)
@@ -73,6 +70,8 @@ class GatherContext:
     units: frozenset = frozenset()  # paths of the modules gathered as units ('layers')
     anchors: dict = dataclasses.field(default_factory=dict)  # 'fwd'/'bwd' -> (trace, value)
     whole: dict | None = None  # stages 1-2: path -> the step's whole weight (nothing gathered)
+    shards: dict = dataclasses.field(default_factory=dict)  # path -> shard, where the model's
+    # variables hold the whole weight instead (`engine.hook.Runner.body`)
 
     @property
     def compute_dtype(self):
@@ -102,8 +101,11 @@ def current_context() -> GatherContext | None:
     return None if current().inside_unit else current().gather
 
 
-def gather_unit(module, method: str, args, kwargs):
-    """Run the bound Linen `module`'s `method` as a stage-3 unit (see the module docstring):
+def gather_unit(module, function, args, kwargs):
+    """Run `function(module, *args, **kwargs)`, the function Flax was about to call on the bound
+    Linen `module` (its method; in the body of a lifted transform, the undecorated method or
+    the transform's own body, such as `nn.RNN`'s `scan_fn(cell, carry, x)`), as a stage-3 unit
+    (see the module docstring):
     its parameters enter as this device's shards, are gathered only while it runs and their
     gradients are reduce-scattered as soon as backward leaves it. It reads the module's other
     collections, draws from the module's own RNG streams (Flax's lazy keys: its submodules
@@ -119,7 +121,10 @@ def gather_unit(module, method: str, args, kwargs):
         # called: its submodules draw the keys they would bound, the same ones every run
         root.rng_counters = _copy_counters(counters)
         with root.temporary() as bound:
-            out = getattr(plain.clone(parent=bound, _deep_clone=True), method)(*a, **k)
+            clone = plain.clone(parent=bound, _deep_clone=True)
+            # through Flax's method handler, as Flax calls it (not the class attribute: in a
+            # lifted body that is the transform, `nn.scan`, which would run again)
+            out = clone._call_wrapped_method(function, a, k)
             written = bound.mutable_variables() if mutable is not False else {}
         after.append(root.rng_counters)
         return out, written
@@ -166,6 +171,9 @@ def run_unit(prefix: str, shards, apply, extra, call: tuple, layer=None):
     # closed over as the module would see it called plainly: static, never traced
     flat, tree = jax.tree_util.tree_flatten(call)
     arrays = [i for i, x in enumerate(flat) if is_array(x)]
+    shards = jax.tree_util.tree_map_with_path(  # its shards, where the model reads whole ones
+        lambda p, x: ctx.shards.get(_full_path(prefix, p), x), shards
+    )
 
     def inside(params, extra, values):
         a, k = with_values(flat, arrays, values, tree)
@@ -279,58 +287,19 @@ def _gather(shards, dims, ctx):
     return jax.tree_util.tree_unflatten(tree, full)
 
 
-def _per_device(shards, dims, ctx):
-    """Leaves a stage-3 unit keeps whole (dim < 0) cast, in the reduce dtype, to per-device
-    values, so that autodiff sums their gradients over the devices (the transpose of this cast
-    is that sum) wherever the unit runs, a scan body included; split leaves become per-replica
-    (MiCS). At stages 1-2 whole leaves stay as they are: `_scatter` all-reduces their
-    gradients as one bucket."""
-
-    def one(x, dim):
-        if dim >= 0:
-            return vary_over_replicas(x, ctx.comm)
-        if ctx.whole is not None:
-            return x
-        return varying(in_reduce_dtype(x, ctx.reduce_dtype), ctx.comm.data_axis)
-
-    return jax.tree_util.tree_map(one, shards, dims)
-
-
 def _scatter(grads, dims, shards, ctx, scale):
     """Split leaves' gradients reduce-scattered now (leaf by leaf, or with unit_buffers as one
-    buffer per dtype); whole leaves' all-reduced now as one bucket (stages 1-2) or left per
-    device (stage 3: summed by `_per_device`'s transpose)."""
+    buffer per dtype). Whole leaves' gradients leave per device: the unit's body received them
+    as one value for all devices, so the `shard_map` that runs the model sums their
+    cotangents over the devices as backward leaves it (in the reduce dtype they entered in,
+    `engine.hook.Runner`), as it sums split leaves' over MiCS's replica axes."""
     flat, tree = jax.tree_util.tree_flatten(grads)
     local = jax.tree_util.tree_leaves(shards)
-    out = list(flat)
-    for bucket in _buckets(flat, local, dims, ctx):
-        reduce = lambda b: reduce_gradient(b, None, ctx.comm, None)
-        in_dtype = [in_reduce_dtype(flat[i], ctx.reduce_dtype) for i in bucket]
-        summed = all_reduce_bucket(in_dtype, reduce)
-        for i, g in zip(bucket, summed, strict=True):
-            out[i] = g
     reduce = lambda g, d: reduce_gradient(g, d, ctx.comm, ctx.reduce_dtype, replicas=False)
     split = [d if d >= 0 else None for d in jax.tree_util.tree_leaves(dims)]
-    out = reduce_leaves(out, split, reduce, ctx.comm.shard_size, ctx.comm.buffers)
+    out = reduce_leaves(flat, split, reduce, ctx.comm.shard_size, ctx.comm.buffers)
     out = [unscale(g, scale, x.dtype) for g, x in zip(out, local, strict=True)]
     return jax.tree_util.tree_unflatten(tree, out)
-
-
-def _buckets(grads: list, local: list, dims, ctx) -> list:
-    """Stages 1-2: the positions of the whole leaves the unit received as one value for all
-    devices (not the step's per-device copies, which `device_copies` reduces), one list per
-    gradient dtype, each all-reduced as one bucket."""
-    if ctx.whole is None:
-        return []
-    axes = set(spec_names(ctx.comm.data_axis))
-    by_dtype: dict = {}
-    for i, d in enumerate(jax.tree_util.tree_leaves(dims)):
-        g = grads[i]
-        if d >= 0 or axes & set(jax.typeof(local[i]).mat.varying):
-            continue
-        if jnp.issubdtype(g.dtype, jnp.inexact):
-            by_dtype.setdefault(in_reduce_dtype(g, ctx.reduce_dtype).dtype, []).append(i)
-    return list(by_dtype.values())
 
 
 def _secondary(params, dims, ctx) -> list:
@@ -367,14 +336,8 @@ def _weights(shards, dims, ctx, whole, wait):
     if whole is None:
         return _gather(_depend(shards, wait), dims, ctx)
     stacks, layer = whole
-    # per device, as a gathered weight is: its gradient leaves the unit unreduced, for the
-    # reduce-scatter or the bucket's all-reduce (an invariant weight's gradient would be
-    # all-reduced by autodiff first)
     return jax.tree_util.tree_map(
-        lambda x, w, d: varying(
-            _layer_slice(w, x, layer) if d >= 0 else to_compute(x, ctx.compute_dtype),
-            ctx.comm.data_axis,
-        ),
+        lambda x, w, d: _layer_slice(w, x, layer) if d >= 0 else to_compute(x, ctx.compute_dtype),
         shards,
         stacks,
         dims,
@@ -457,7 +420,6 @@ class LayerCall:
         and the layer index (stages 1-2, nothing gathered)."""
         run = jax.custom_vjp(self._plain)
         run.defvjp(self._fwd, self._bwd)
-        shards = _per_device(shards, self.dims, self.ctx)
         gathers = whole is None  # stages 1-2 use the step's whole weights: no gather to order
         anchor = _scalar(_anchor(self.ctx, "fwd", args, self.scanned)) if gathers else None
         return run(shards, whole, args, extra, anchor, self.ctx.scale)
