@@ -1,6 +1,7 @@
 """How stage 3's compiled peak grows with depth on published model code (the conformance
 lane's models, tests/published.py): Flax's lm1b example (Linen), Flax's NNX gemma example,
-and Gemma 3 and Gemma 4 from the `gemma` package. Per device at N = 8, fp32 + AdamW, one
+Gemma 3 and Gemma 4 from the `gemma` package, and Hugging Face's Flax GPT-2 and Llama through
+run_clm_flax.py's step (tests/test_conformance_hf.py). Per device at N = 8, fp32 + AdamW, one
 128-token sequence per device, d_model 64: the peak (arguments + temporaries) at L and 2L
 layers for stage 0, stage 3 with the defaults (each unit keeps its activations) and stage 3
 with `recompute_units=True` (each unit keeps only its input). Every leaf is split at stage 3
@@ -63,11 +64,19 @@ def gemma_peak(version: str, layers: int, options: dict) -> int:
     return gemma_peak(version, layers, options)
 
 
+def hf_peak(name: str, layers: int, options: dict) -> int:
+    from test_conformance_hf import hf_peak
+
+    return hf_peak(name, layers, **options)
+
+
 MODELS = {  # name: (peak function, L)
     "Flax examples/lm1b (Linen)": (lm1b_peak, 2),
     "Flax examples/gemma (NNX)": (flax_gemma_peak, 4),
     "gemma 4.0.1, Gemma 3 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 3"), 4),
     "gemma 4.0.1, Gemma 4 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 4"), 4),
+    "transformers 4.57, FlaxGPT2LMHeadModel": (functools.partial(hf_peak, "gpt2"), 4),
+    "transformers 4.57, FlaxLlamaForCausalLM": (functools.partial(hf_peak, "llama"), 4),
 }
 
 
