@@ -22,7 +22,14 @@ from flax import nnx
 from zerojax.core.trace_scope import current, scoped
 from zerojax.flax.nnx import objects_in, objects_out
 from zerojax.flax.unit_calls import run_unit
-from zerojax.flax.units import UNIT_MARK, ModuleCall, dispatch, is_public_method, leaf_ndims
+from zerojax.flax.units import (
+    UNIT_MARK,
+    ModuleCall,
+    dispatch,
+    in_loop_body,
+    is_public_method,
+    leaf_ndims,
+)
 
 
 @functools.cache  # one routed subclass per (class, path, root?): a model traced again reuses it
@@ -127,6 +134,7 @@ def _record(module, path: str) -> ModuleCall:
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(jax.tree_util.tree_leaves(params)),
         param_ndims=leaf_ndims(nnx.to_pure_dict(params)),
+        in_loop=in_loop_body(),
     )
 
 

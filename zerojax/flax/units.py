@@ -15,7 +15,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import os
 import re
+import sys
 
 import flax.linen as nn
 import jax
@@ -53,6 +55,7 @@ class ModuleCall:
     marked: bool  # its class went through gather_on_use
     has_params: bool
     param_ndims: tuple = ()  # ((leaf path below the module, ndim seen by the call), ...)
+    in_loop: bool = False  # traced inside a loop body (lax.scan, while_loop) of the model
 
 
 def intercept(next_fun, args, kwargs, context):
@@ -92,6 +95,8 @@ def dispatch(path: str, record, run_unit, run):
     if found is not None:
         if path not in found:
             found[path] = record()
+        elif not found[path].in_loop and in_loop_body():  # a lifted scan traces a call first
+            found[path] = dataclasses.replace(found[path], in_loop=True)
         return run()
     return run_unit() if _is_unit(path) else run()
 
@@ -110,7 +115,25 @@ def _record(module, path) -> ModuleCall:
         marked=bool(getattr(type(module), UNIT_MARK, False)),
         has_params=bool(module.variables.get("params")),
         param_ndims=leaf_ndims(module.variables.get("params", {})),
+        in_loop=in_loop_body(),
     )
+
+
+def in_loop_body() -> bool:
+    """Whether the code being traced runs in the body of a JAX loop (`lax.scan`, `while_loop`,
+    `fori_loop`: an `nn.scan` or `nn.RNN` of the model), read from the Python stack while the
+    model is traced abstractly to find its units."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _LOOPS and code.co_filename.endswith(_LOOPS_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_LOOPS = frozenset({"scan", "while_loop", "fori_loop"})
+_LOOPS_FILE = os.path.join("lax", "control_flow", "loops.py")
 
 
 def leaf_ndims(params) -> tuple:
@@ -139,9 +162,11 @@ def running_units(ctx: GatherContext | None):
 def stacks_only(calls: dict, params) -> dict:
     """`calls` with `lifted` kept only for the bodies of a lifted transform that stacks their
     parameters (`nn.scan` or `nn.vmap` over 'params': the call sees fewer dims than `params`,
-    the stored parameters, hold). A body that sees its parameters whole (an `nn.RNN` cell, which
-    `nn.scan` runs once per time step on the same weights; an `nn.remat` block) is a unit only
-    by the other rules: gathering it would gather the same weights once per time step."""
+    the stored parameters, hold), and `in_loop` only for a call inside a loop body that sees
+    its parameters whole (an `nn.RNN` cell, sst2's `nn.scan`-ned LSTM: the loop runs it once
+    per time step on the same weights, so gathering it as a unit would gather them once per
+    time step). An `nn.remat` block, which sees its parameters whole once, is a unit only by
+    the other rules."""
     stored = {
         "/".join(str(getattr(k, "key", k)) for k in path): np.ndim(x)
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -152,7 +177,9 @@ def stacks_only(calls: dict, params) -> dict:
         return any(stored.get(prefix + leaf, ndim) > ndim for leaf, ndim in call.param_ndims)
 
     return {
-        path: dataclasses.replace(call, lifted=call.lifted and stacked(call))
+        path: dataclasses.replace(
+            call, lifted=call.lifted and stacked(call), in_loop=call.in_loop and not stacked(call)
+        )
         for path, call in calls.items()
     }
 
@@ -166,7 +193,7 @@ def select_units(calls: dict, units) -> frozenset:
         chosen = [
             p
             for p, c in candidates.items()
-            if c.marked or c.lifted or siblings[(parent(p), c.cls)] > 1
+            if c.marked or (not c.in_loop and (c.lifted or siblings[(parent(p), c.cls)] > 1))
         ]
     else:
         patterns = (units,) if isinstance(units, str) else tuple(units)
