@@ -15,6 +15,7 @@ from zerojax.core.rules import OPT_STATE, PARAMS, category_of, split_dim
 from zerojax.engine.hook import local_apply_fn
 from zerojax.engine.outputs import one_capture, split_output
 from zerojax.engine.variant import Variant
+from zerojax.flax.model_calls import apply_fn_hooked, linen_calls_hooked
 from zerojax.update.managed import capture_gradients
 from zerojax.update.transforms import in_working_dtype
 
@@ -28,9 +29,15 @@ def local_body(v: Variant, param_grad_specs, state, batch, extra):
     axis, n = comm.data_axis, comm.data_size
     original = state.apply_fn
     scale = state.opt_state.scale if v.update.scales_loss else None
-    apply = local_apply_fn(original, v.placement.unit, v.log, axis, local_rows(batch), scale)
-    view = state.replace(params=in_working_dtype(state.params, jnp.float32), apply_fn=apply)
-    with capture_gradients() as sink:
+    rows = local_rows(batch)
+    hook = lambda apply, stateful=None: local_apply_fn(  # noqa: E731
+        apply, v.placement.unit, v.log, axis, rows, scale
+    )
+    view = state.replace(
+        params=in_working_dtype(state.params, jnp.float32),
+        apply_fn=apply_fn_hooked(original, hook, v.log),  # however the step calls it
+    )
+    with capture_gradients() as sink, linen_calls_hooked(hook, rows):
         out = v.fn((view,), batch, *extra)
     grads = one_capture(sink)
     new_state, rest = split_output(out, state)
