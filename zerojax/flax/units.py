@@ -18,6 +18,7 @@ import dataclasses
 import os
 import re
 import sys
+import types
 
 import flax.linen as nn
 import jax
@@ -123,7 +124,7 @@ def in_loop_body() -> bool:
     """Whether the code being traced runs in the body of a JAX loop (`lax.scan`, `while_loop`,
     `fori_loop`: an `nn.scan` or `nn.RNN` of the model), read from the Python stack while the
     model is traced abstractly to find its units."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name in _LOOPS and code.co_filename.endswith(_LOOPS_FILE):
