@@ -75,8 +75,17 @@ MODELS = {  # name: (peak function, L)
     "Flax examples/gemma (NNX)": (flax_gemma_peak, 4),
     "gemma 4.0.1, Gemma 3 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 3"), 4),
     "gemma 4.0.1, Gemma 4 (Linen, nn.jit)": (functools.partial(gemma_peak, "gemma 4"), 4),
-    "transformers 4.57, FlaxGPT2LMHeadModel": (functools.partial(hf_peak, "gpt2"), 4),
-    "transformers 4.57, FlaxLlamaForCausalLM": (functools.partial(hf_peak, "llama"), 4),
+    **{
+        f"transformers 4.57, {cls}": (functools.partial(hf_peak, name), 4)
+        for name, cls in (
+            ("gpt2", "FlaxGPT2LMHeadModel"),
+            ("llama", "FlaxLlamaForCausalLM"),
+            ("mistral", "FlaxMistralForCausalLM"),
+            ("gemma", "FlaxGemmaForCausalLM"),
+            ("gpt_neo", "FlaxGPTNeoForCausalLM"),
+            ("bloom", "FlaxBloomForCausalLM"),
+        )
+    },
 }
 
 
