@@ -5,6 +5,7 @@ params 4Ψ replicated at stage 0, split over N at stage 3; bf16 params 2Ψ/N, ma
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -32,7 +33,9 @@ class Net(nn.Module):
 
 
 DENSE_LINE = next(
-    i for i, line in enumerate(open(__file__).read().splitlines(), 1) if line.endswith("E_LINE")
+    i
+    for i, line in enumerate(pathlib.Path(__file__).read_text().splitlines(), 1)
+    if line.endswith("E_LINE")
 )
 
 
