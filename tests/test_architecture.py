@@ -285,10 +285,10 @@ def test_a_step_is_constructible_without_a_zero_shard():
     config = zj.ZeroConfig(stage=3, persistence_threshold=0)
     placement = Placement.resolve(config)
 
-    def layout(tree):  # any function giving the state's layout: here the rules, uncached
+    def layout(tree, stacks=None):  # any function giving the state's layout: the rules, uncached
         from zerojax.core.rules import plan_state
 
-        return plan_state(tree, placement.config, placement.comm.shard_size)
+        return plan_state(tree, placement.config, placement.comm.shard_size, stacks=stacks)
 
     zero = ZeroShard(config)
     state = zero.init(make_init(optax.adam(1e-3)), jax.random.key(0))

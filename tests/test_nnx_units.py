@@ -243,9 +243,14 @@ def test_nnx_unit_buffers_move_a_large_leaf_alone(monkeypatch):
 
 def test_an_nnx_stack_is_split_past_its_layers():
     # 8 vmapped layers on 8 devices: dim 0 divides, yet each layer is split on its own first
-    # dim (its shards end to end); the unstacked blocks of an nnx.List split their dim 0
+    # dim (its shards end to end); the unstacked blocks of an nnx.List split their dim 0.
+    # `nnx.vmap` leaves no trace of the stack in the objects: the layout is provisional until
+    # the step's calls (here traced by `lower`) reveal it, never guessed from shapes
     zero = zj.zero_shard(stage=3)
-    stacked = zero.layout(zero.eval_shape(make(8, scan=True))).params
+    objects = zero.eval_shape(make(8, scan=True))
+    assert zero.layout(objects).stacks is None
+    zero(train_step).lower(*objects, jax.ShapeDtypeStruct((8, 17), jnp.int32))
+    stacked = zero.layout(objects).params
     assert stacked["blocks/up/kernel"].shape == (8, 64, 256)
     assert stacked["blocks/up/kernel"].split_dim == 1
     assert stacked["blocks/attn/query/kernel"].split_dim == 1  # (8, 64, 4, 16)

@@ -1,6 +1,8 @@
-"""Sharding rules: a table of expected specs, a scanned stack found by its shapes, and optimizer
-state following its parameter for any optax transformation (matched by path and shape, never by
-optimizer type)."""
+"""Sharding rules: a table of expected specs, a scanned stack where Flax or the step says it is
+(never where shapes suggest), and optimizer state following its parameter for any optax
+transformation (matched by path and shape, never by optimizer type)."""
+
+import warnings
 
 import flax.linen as nn
 import jax
@@ -13,7 +15,7 @@ from flax.training import train_state
 from jax.sharding import PartitionSpec as P
 
 import zerojax as zj
-from zerojax.core.rules import split_spec, stacked_params
+from zerojax.core.rules import split_spec
 
 D = "data"
 
@@ -38,43 +40,6 @@ D = "data"
 def test_default_rule_table(shape, n, threshold, spec, why):
     cfg = zj.ZeroConfig(stage=3, persistence_threshold=threshold)
     assert split_spec(shape, n, cfg)[0] == spec, why
-
-
-STACK = {  # nn.scan over 4 blocks: every leaf gains a leading 4
-    "ScanBlock_0/Dense_0/kernel": (4, 64, 256),
-    "ScanBlock_0/Dense_0/bias": (4, 256),
-    "ScanBlock_0/LayerNorm_0/scale": (4, 64),
-    "Dense_0/kernel": (32, 64),
-}
-SQUARE = {  # an attention block of square kernels and their biases, unscanned
-    "attn/q/kernel": (64, 64),
-    "attn/q/bias": (64,),
-    "attn/o/kernel": (64, 64),
-    "attn/o/bias": (64,),
-}
-HEADS = {  # 8 scanned layers of 8 heads: the layer count is also a kernel dim, not the norm's
-    "layers/attn/query/kernel": (8, 512, 8, 64),
-    "layers/attn/out/kernel": (8, 8, 64, 512),
-    "layers/norm/scale": (8, 512),
-}
-HEADS_UNSCANNED = {  # DenseGeneral attention, unscanned: leading sizes differ
-    "attn/query/kernel": (768, 12, 64),
-    "attn/key/kernel": (768, 12, 64),
-    "attn/out/kernel": (12, 64, 768),
-}
-
-
-@pytest.mark.parametrize(
-    "shapes, stacked",
-    [
-        (STACK, {k for k in STACK if k.startswith("ScanBlock_0/")}),
-        (SQUARE, set()),
-        (HEADS, set(HEADS)),
-        (HEADS_UNSCANNED, set()),
-    ],
-)
-def test_a_stack_is_found_by_its_shapes(shapes, stacked):
-    assert stacked_params(shapes) == stacked
 
 
 def test_a_stack_is_split_past_its_layers_and_a_layer_on_its_first_dim():
@@ -203,32 +168,55 @@ class _SingleKernelStack(nn.Module):
         return blocks()(x, None)[0].sum(-1)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_a_stack_split_on_its_layers_is_gathered_whole_and_says_so(stage):
+def _stack_init(key):
     model = _SingleKernelStack()
+    params = model.init(key, jnp.zeros((1, 64)))["params"]
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2))
 
-    def init(key):
-        params = model.init(key, jnp.zeros((1, 64)))["params"]
-        return train_state.TrainState.create(
-            apply_fn=model.apply, params=params, tx=optax.adam(1e-2)
-        )
 
-    def step(state, x):
-        loss = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)  # noqa: E731
-        value, grads = jax.value_and_grad(loss)(state.params)
-        return state.apply_gradients(grads=grads), value
+def _stack_step(state, x):
+    loss = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)  # noqa: E731
+    value, grads = jax.value_and_grad(loss)(state.params)
+    return state.apply_gradients(grads=grads), value
 
+
+STACKED = "Scan_Residual_0/Dense_0/kernel"
+
+
+def _stack_run(zero, state):
     data = [jax.random.normal(jax.random.key(i), (16, 64)) for i in range(3)]
-    want = init(jax.random.key(0))
+    want = _stack_init(jax.random.key(0))
     for x in data:
-        want, _ = jax.jit(step)(want, x)
-    zero = zj.zero_shard(stage=stage)
-    # built elsewhere and placed (no facts from Flax): its shapes do not reveal the stack
-    state = zero.shard(init(jax.random.key(0)))
-    with pytest.warns(zj.ZeroWarning, match="split along its stack's layer dimension 0"):
-        for x in data:
-            state, _ = zero(step)(state, x)
+        want, _ = jax.jit(_stack_step)(want, x)
+    step = zero(_stack_step)
+    for x in data:
+        state, _ = step(state, x)
     assert_trees_close(state.params, want.params)
+    return state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_state_placed_before_anything_says_where_its_stacks_are_moves_once_at_the_first_step(
+    stage,
+):
+    """Placed by `zero.shard` (built elsewhere: Flax said nothing), the layout is provisional,
+    with no stacks: the first step's calls reveal the `nn.scan` stack, the layout is decided
+    from them (split past the layers) and the state moves there once; no shape is read."""
+    zero = zj.zero_shard(stage=stage)
+    state = zero.shard(_stack_init(jax.random.key(0)))
+    assert zero.layout(state).stacks is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", zj.ZeroWarning)  # no "split along its layers"
+        state = _stack_run(zero, state)
+    assert zero.layout(state).stacks == {STACKED}
+    wanted = P(None, "data") if stage == 3 else P()
+    assert state.params["Scan_Residual_0"]["Dense_0"]["kernel"].sharding.spec == wanted
+
+
+def test_a_rule_that_splits_a_stack_on_its_layers_is_gathered_whole_and_says_so():
+    zero = zj.zero_shard(stage=3, rules=((STACKED, 0),))
+    with pytest.warns(zj.ZeroWarning, match="split along its stack's layer dimension 0"):
+        _stack_run(zero, zero.init(_stack_init, jax.random.key(0)))
 
 
 class _Attention(nn.Module):
@@ -250,26 +238,32 @@ class _Model(nn.Module):
         return _SingleKernelStack(name="stack")(jnp.concatenate([x, x], -1))
 
 
-def test_a_stack_is_what_flax_stacks_when_zero_init_sees_the_model_built():
-    """Through `zero.init` (and `zero.eval_shape`) the layout reads the stacks from Flax: the
-    dims an `nn.scan` body sees while `init` runs (`zerojax.flax.stacks`), not the shapes."""
+def test_a_stack_is_what_flax_stacks_never_what_shapes_suggest():
+    """The layout reads the stacks from Flax: through `zero.init` and `zero.eval_shape`, the
+    dims an `nn.scan` body sees while `init` runs (`zerojax.flax.stacks`); for a state placed
+    by `zero.shard`, the dims the first step's calls see. An unrolled GQA attention, whose
+    kernels all lead with d = 32 (a "stack of 32 layers" by shapes), is no stack."""
     model = _Model()
 
     def init(key):
         params = model.init(key, jnp.zeros((1, 32)))["params"]
         return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1))
 
-    shapes = {
-        "/".join(str(k.key) for k in p): x.shape
-        for p, x in jax.tree_util.tree_flatten_with_path(init(jax.random.key(0)).params)[0]
+    def step(state, x):
+        loss = lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2)  # noqa: E731
+        return state.apply_gradients(grads=jax.grad(loss)(state.params))
+
+    key, x = jax.random.key(0), jnp.ones((16, 32))
+    ways = {
+        "zero.init": lambda zero: zero.init(init, key),
+        "zero.eval_shape": lambda zero: zero.eval_shape(init, key),
+        "zero.shard, then a step": lambda zero: zero(step)(zero.shard(init(key)), x),
     }
-    assert "attn/k/kernel" in stacked_params(shapes)  # what the shapes alone would say
-    assert "stack/Scan_Residual_0/Dense_0/kernel" not in stacked_params(shapes)  # would miss
-    zero = zj.zero_shard(stage=3, persistence_threshold=0)
-    for make in (zero.init, zero.eval_shape):
-        plans = zero.layout(make(init, jax.random.key(0))).plans
+    for way, make in ways.items():
+        zero = zj.zero_shard(stage=3, persistence_threshold=0)
+        plans = zero.layout(make(zero)).plans
         reasons = {plan.path: plan.reason for plan in plans}
-        assert "a stack's layers" not in reasons["params/attn/k/kernel"], reasons
-        assert reasons["params/attn/k/kernel"].startswith("sharded dim 0"), reasons
+        assert "a stack's layers" not in reasons["params/attn/k/kernel"], (way, reasons)
+        assert reasons["params/attn/k/kernel"].startswith("sharded dim 0"), (way, reasons)
         stack = reasons["params/stack/Scan_Residual_0/Dense_0/kernel"]
-        assert stack == "sharded dim 1 (dim 0: a stack's layers)", stack
+        assert stack == "sharded dim 1 (dim 0: a stack's layers)", (way, stack)

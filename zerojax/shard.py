@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -84,21 +84,28 @@ class ZeroShard:
         """Every leaf's `LeafPlan` for `state` (a train state, its abstract shape, or NNX
         objects: their dict state), computed once per leaf paths, shapes, dtypes and the
         model's tensor-parallel layout, then cached: the one place a leaf's layout is decided."""
-        user = boundary(state)
-        return self._layout(read_linen_boxes(user.tree, self.mesh, self.config)[0], user)
+        return self._step_layout(state)
 
-    def _layout(self, tree, user: Boundary, stacks: set | None = None) -> StateLayout:
+    def _step_layout(self, state: PyTree, stacks: frozenset | None = None) -> StateLayout:
+        """`layout(state)`; `stacks`, the stacked parameters a step's calls revealed for a
+        state whose layout nothing had described (`ZeroStep`), decide it from then on."""
+        user = boundary(state)
+        return self._layout(read_linen_boxes(user.tree, self.mesh, self.config)[0], user, stacks)
+
+    def _layout(self, tree, user: Boundary, stacks: Collection | None = None) -> StateLayout:
         """The layout of `tree` (`user`'s state, or what `manage` made of it) for the
         tensor-parallel layout `user` declares; `stacks`: the stacked parameters as Flax built
-        them (`flax.stacks`, from `init`), which decide the layout of a state first seen there
-        (and of every later state of its structure)."""
+        them (`flax.stacks`, from `init`) or a step's calls revealed them, which decide the
+        layout of every state of this structure from then on. Until something has said,
+        the layout is provisional: no stacks (`StateLayout.stacks` None), never a guess."""
         tensor = self._declared(user)
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
         key = (
             tuple((jax.tree_util.keystr(p), np.shape(x), str(x.dtype)) for p, x in leaves),
             tuple(sorted(tensor.items())),
         )
-        if key not in self._layouts:
+        known = self._layouts[key].stacks if key in self._layouts else None
+        if key not in self._layouts or (stacks is not None and frozenset(stacks) != known):
             self._layouts[key] = plan_state(tree, self.config, self.shard_size, tensor, stacks)
             causes = replication_warnings(
                 self._layouts[key].plans, self.config, self.shard_size, jax.device_count()
@@ -131,10 +138,10 @@ class ZeroShard:
         `batch` (a `step(state, batch)`, or `step(*objects, batch)`), or `step_args`, the
         step's arguments as it is called (another order, or arguments after the batch), each
         parameter also names its unit (found by tracing the step)."""
-        plans = list(self.layout(state).plans)
         if step is None:
-            return plans
-        return with_units(plans, step.units_of(*_step_args(state, batch, step_args)))
+            return list(self.layout(state).plans)
+        units = step.units_of(*_step_args(state, batch, step_args))  # may tell where stacks are
+        return with_units(list(self.layout(state).plans), units)
 
     def state_shardings(self, state: PyTree) -> PyTree:
         """A pytree of NamedShardings, one per leaf of `state`, saying where each leaf lives
@@ -268,7 +275,7 @@ class ZeroShard:
         return ZeroStep(
             self.placement,
             step_fn,
-            self.layout,
+            self._step_layout,
             batch_argnum=batch_argnum,
             static_argnums=statics,
             fit=compile_and_report,

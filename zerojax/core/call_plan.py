@@ -137,7 +137,7 @@ def plan_call(
         if (
             unit is not None
             and plan is not None
-            and _whole_per_step(path, plan, x, layers[unit], policy)
+            and _whole_per_step(path, plan, x, layers[unit], policy, layout.stacks is None)
         ):
             unit = None  # gathered once per step with the whole parameters, not per layer
         leaves.append(
@@ -162,20 +162,24 @@ def plan_call(
     return CallPlan(tuple(leaves), layers, in_place, tuple(batch))
 
 
-def _whole_per_step(path: str, plan, leaf, layer_dims: tuple, policy: UnitPolicy) -> bool:
+def _whole_per_step(
+    path: str, plan, leaf, layer_dims: tuple, policy: UnitPolicy, provisional: bool
+) -> bool:
     """Whether a unit's stacked leaf is gathered (and reduced) once per step, whole, rather
-    than layer by layer: its layers are small, or it is split on a layer dim (a stack whose
-    shapes did not reveal it, `rules.stacked_params`), which no single layer can gather."""
+    than layer by layer: its layers are small, or it is split on a layer dim, which no single
+    layer can gather: a user's rule did it (said here), or a `provisional` layout made before
+    anything said where the stacks are (the step re-decides it from its calls' facts)."""
     if _small_layers(leaf, layer_dims, policy.persistence_threshold):
         return True
     if plan.split_dim is None or plan.split_dim >= len(layer_dims):
         return False
-    warn(
-        f"zerojax: {path} is split along its stack's layer dimension {plan.split_dim}, so "
-        "each step gathers it (stage 3) and reduces its gradient whole, once, instead of "
-        "one layer at a time. Split "
-        f"another dimension: zero_shard(rules=(({path!r}, {len(layer_dims)}),))."
-    )
+    if not provisional:
+        warn(
+            f"zerojax: {path} is split along its stack's layer dimension {plan.split_dim}, so "
+            "each step gathers it (stage 3) and reduces its gradient whole, once, instead of "
+            "one layer at a time. Split "
+            f"another dimension: zero_shard(rules=(({path!r}, {len(layer_dims)}),))."
+        )
     return True
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections.abc import Collection
 
 import jax
 import numpy as np
@@ -64,6 +65,10 @@ class StateLayout:
 
     treedef: object
     plans: tuple[LeafPlan, ...]
+    # the parameter paths that lie in a stack of layers, as Flax built them or a step's calls
+    # revealed them (`flax.stacks`, `flax.units.revealed_stacks`); None until something has
+    # said: a provisional layout, with no stacks, that the first step's facts re-decide
+    stacks: frozenset | None = None
 
     def shardings(self, mesh):
         """The storage NamedShardings (spec and memory kind) as a pytree of the state's
@@ -132,8 +137,8 @@ def split_spec(
     for the choice: the user's `rules` on `path` first, else the default rule. `tensor`, the
     leaf's tensor-parallel `TensorSpec` (if the model declares any), stays in the spec; the
     ZeRO axis goes on a dimension it leaves free, else joins one of its axes when the split
-    divides. `stacked`: dim 0 is a stack's layers (`stacked_params`), split only when nothing
-    else is."""
+    divides. `stacked`: dim 0 is a stack's layers (as Flax says: `StateLayout.stacks`), split
+    only when nothing else is."""
     tensor = tensor or TensorSpec((None,) * len(shape), (1,) * len(shape))
     return _rule_spec(shape, n, cfg, path, tensor) or _default_spec(shape, n, cfg, tensor, stacked)
 
@@ -250,19 +255,23 @@ def stage_splits(cfg: ZeroConfig, category: str, floating=False, mirrors=False) 
 
 
 def plan_state(
-    state, cfg: ZeroConfig, axis_size: int, tensor: dict | None = None, stacks: set | None = None
+    state,
+    cfg: ZeroConfig,
+    axis_size: int,
+    tensor: dict | None = None,
+    stacks: Collection | None = None,
 ) -> StateLayout:
     """The `StateLayout` of `state` (a pytree of arrays or ShapeDtypeStructs) holding its
     parameters under a `params` field or key, or a tuple `(params, opt_state, ...)`. `tensor`
     maps parameter paths to their `TensorSpec`; `stacks`, the parameter paths a lifted
-    transform stacks as Flax built them (`flax.stacks`), None where nothing says (then
-    `stacked_params` reads them from shapes). Use `ZeroShard.layout`, which caches it."""
+    transform stacks, as Flax built them or a step's calls revealed them; None where nothing
+    has said yet (a provisional layout with no stacks: never guessed from shapes). Use
+    `ZeroShard.layout`, which caches it."""
     tensor = tensor or {}
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-    params = params_by_path(state)
-    _check_has_params(state, params)
-    if stacks is None:
-        stacks = stacked_params({path: x.shape for path, x in params.items()})
+    _check_has_params(state, params_by_path(state))
+    known = frozenset(stacks) if stacks is not None else None
+    stacks = known or frozenset()
     param_specs = {}
     plans = []
     for path, leaf in leaves:
@@ -301,7 +310,7 @@ def plan_state(
             )
         )
     _warn_unmatched_rules(cfg, [*param_specs, *(x.path for x in plans if x.category == OTHER)])
-    return StateLayout(treedef, tuple(plans))
+    return StateLayout(treedef, tuple(plans), known)
 
 
 def _warn_unmatched_rules(cfg: ZeroConfig, paths: list) -> None:
@@ -340,33 +349,6 @@ def params_by_path(state) -> dict:
         for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
         if category_of(p) == PARAMS
     }
-
-
-def stacked_params(shapes: dict) -> set:
-    """The parameters (paths below `params` -> shapes) that lie in a stack of layers, read
-    from shapes where Flax has said nothing (a state built elsewhere and placed with
-    `zero.shard`, NNX; `zero.init` of a Linen model reads it from Flax: `flax.stacks`), as
-    `nn.scan` or `nnx.vmap` makes them: under a module of two or more matrices whose leaves
-    all share a leading size that some matrix lacks in its other dims (square `[d, d]` kernels
-    with their `[d]` biases are not a stack; 8 layers of 8 heads beside a norm are). A guess
-    decides only which dim is split: a wrong one costs a transpose per gather, never a
-    result; a missed stack split on its layers is gathered whole once per step, with a
-    warning naming the rule that splits it elsewhere (`call_plan`)."""
-    groups: dict = {}
-    for path in shapes:
-        keys = path.split("/")
-        for depth in range(1, len(keys)):
-            groups.setdefault("/".join(keys[:depth]), []).append(path)
-    found: set = set()
-    for members in groups.values():
-        dims = [shapes[m] for m in members]
-        matrices = [s for s in dims if len(s) >= 2]
-        if len(matrices) < 2 or any(not s for s in dims):
-            continue
-        layers = dims[0][0]
-        if all(s[0] == layers for s in dims) and not all(layers in s[1:] for s in matrices):
-            found.update(members)
-    return found
 
 
 def _floating(leaf) -> bool:
@@ -487,3 +469,23 @@ def placed_state(state, shardings):
             "zero.shard(state)."
         )
     return jax.tree_util.tree_unflatten(tree, out)
+
+
+def relaid(state, provisional, shardings, donate: bool):
+    """`state` with each leaf a provisional layout placed (`provisional`: its shardings, None
+    when nothing moves) moved to `shardings`, the layout its step's facts decided: once, at the
+    step's first call (`donate`: the old copy's memory goes, as the step would donate it). An
+    abstract leaf takes the new sharding."""
+    if provisional is None:
+        return state
+
+    def move(leaf, old, new):
+        have = getattr(leaf, "sharding", None)
+        ndim = np.ndim(leaf)
+        if have is None or not have.is_equivalent_to(old, ndim) or have.is_equivalent_to(new, ndim):
+            return leaf
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=new)
+        return jax.device_put(leaf, new, donate=donate)
+
+    return jax.tree_util.tree_map(move, state, provisional, shardings)

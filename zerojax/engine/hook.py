@@ -53,7 +53,13 @@ from zerojax.core.policy import UnitPolicy
 from zerojax.core.rules import PARAMS, StateLayout, key_name, split_dim
 from zerojax.core.trace_scope import fresh_traces, scoped
 from zerojax.flax.unit_calls import LAYER, GatherContext
-from zerojax.flax.units import discovering, running_units, select_units, stacks_only
+from zerojax.flax.units import (
+    discovering,
+    revealed_stacks,
+    running_units,
+    select_units,
+    stacks_only,
+)
 
 
 @dataclasses.dataclass
@@ -63,6 +69,8 @@ class TraceLog:
     so what it reports is that variant's, and nothing is written on the step while tracing."""
 
     calls: list[frozenset] = dataclasses.field(default_factory=list)
+    # the parameter paths the calls saw sliced by a lifted transform: a stack's layers lead them
+    stacks: set = dataclasses.field(default_factory=set)
 
     @property
     def hooked(self) -> bool:
@@ -372,6 +380,7 @@ def _units(apply_fn, variables, call: tuple, site: Site, selected) -> dict:
             jax.tree_util.tree_map(shape, variables),
             [shape(flat[i]) for i in arrays],
         )
+    site.log.stacks.update(revealed_stacks(found, variables.get(PARAMS, {})))
     found = stacks_only(found, variables.get(PARAMS, {}))
     return {u: found[u] for u in sorted(select_units(found, selected))}
 

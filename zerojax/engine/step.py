@@ -20,7 +20,7 @@ import numpy as np
 
 from zerojax.core.errors import ZeroError, once_per, warn
 from zerojax.core.mesh import without_memories
-from zerojax.core.rules import StateLayout, placed_state
+from zerojax.core.rules import StateLayout, placed_state, relaid
 from zerojax.engine.checks import check_arity, check_call, pmap_collectives_named
 from zerojax.engine.hook import TraceLog
 from zerojax.engine.placement import Placement, place_batch
@@ -45,7 +45,8 @@ class ZeroStep:
         static_argnums: tuple = (),
         fit: Callable | None = None,
     ):
-        """`layout(tree)`: the state's `StateLayout` (the zero's cached rules);
+        """`layout(tree, stacks=None)`: the state's `StateLayout` (the zero's cached rules;
+        `stacks`, what the step's calls revealed for a provisional one, decide it from then on);
         `batch_argnum`, `static_argnums`: as `zero(step, ...)` takes them; `fit(keep,
         args) -> (step, report)`: memory_budget's trial compile with `keep_gathered=keep`."""
         self.placement, self.fn, self.layout = placement, fn, layout
@@ -91,8 +92,10 @@ class ZeroStep:
         self._raise_if_scale_exhausted()
         self.check()
         micro_index = self._micro_index(call.state.tree)
-        jitted, shardings, log, batch = self._prepare(call, self._is_micro(micro_index), args)
-        tree = placed_state(call.state.tree, shardings)
+        micro = self._is_micro(micro_index)
+        jitted, shardings, log, moved, batch = self._prepare(call, micro, args)
+        tree = relaid(call.state.tree, moved, shardings, self.placement.config.donate)
+        tree = placed_state(tree, shardings)
         with pmap_collectives_named(self.fn, self.placement.mesh.axis_names):
             out = jitted(tree, batch, *call.extra)
         self._last = log
@@ -148,9 +151,10 @@ class ZeroStep:
             self._last = fitted._last
             return traced_step
         call = split_call(args, self.batch_argnum, self.static_argnums)
-        jitted, _, log, batch = self._prepare(call, micro, args)
+        jitted, shardings, log, moved, batch = self._prepare(call, micro, args)
+        tree = relaid(call.state.tree, moved, shardings, donate=False)
         with pmap_collectives_named(self.fn, self.placement.mesh.axis_names):
-            traced_step = jitted.trace(call.state.tree, batch, *call.extra)
+            traced_step = jitted.trace(tree, batch, *call.extra)
         self._last = log
         self._warn_if_not_hooked()
         return traced_step
@@ -206,9 +210,10 @@ class ZeroStep:
             )
 
     def _prepare(self, call: StepCall, micro: bool, args: tuple):
-        """(jitted function, state shardings, its TraceLog, placed batch), compiled once per
-        structure, shapes, argument order and variant; the checks that depend only on those
-        (`args`: the user's call) run then, off the per-call path."""
+        """(jitted function, state shardings, its TraceLog, the shardings of a provisional
+        layout the state moves from (else None), placed batch), compiled once per structure,
+        shapes, argument order and variant; the checks that depend only on those (`args`:
+        the user's call) run then, off the per-call path."""
         tree, objects, extra = call.state.tree, call.state.objects, call.extra
         batch = place_batch(self.placement, call.batch)
         key = (
@@ -221,15 +226,34 @@ class ZeroStep:
         if key not in self._jitted:
             check_arity(self.fn, len(args), ", ".join(type(a).__name__ for a in args))
             self._check_compilable(tree)
-            v = self._variant(call, batch, micro)
-            donate = (0,) if self.placement.config.donate else ()
-            jitted = jax.jit(functools.partial(traced, v), donate_argnums=donate)
-            self._jitted[key] = (jitted, v.shardings, v.log)
+            self._jitted[key] = self._compiled(call, batch, micro)
         return (*self._jitted[key], batch)
 
-    def _variant(self, call: StepCall, batch, micro: bool) -> Variant:
-        """The variant of this compile key, as a value its traced body reads."""
-        layout = self.layout(call.state.tree)
+    def _compiled(self, call: StepCall, batch, micro: bool) -> tuple:
+        """(jitted, shardings, TraceLog, moved-from shardings) of a new compile key. A state
+        whose layout nothing has described (placed by `zero.shard`, NNX objects: Flax says
+        where its stacks are only while a Linen model is built) is traced once on that
+        provisional layout for the facts its calls reveal; where they re-decide it, the step
+        compiles on the new one and the state moves there once, at this first call."""
+        v = self._variant(call, batch, micro, self.layout(call.state.tree))
+        jitted, config = self._jit(v), self.placement.config
+        if v.layout.stacks is not None or not (config.uses_units and config.explicit_collectives):
+            return jitted, v.shardings, v.log, None
+        with pmap_collectives_named(self.fn, self.placement.mesh.axis_names):
+            jitted.trace(call.state.tree, batch, *call.extra)  # jit keeps the trace for the call
+        layout = self.layout(call.state.tree, frozenset(v.log.stacks))
+        if layout.plans == v.layout.plans:
+            return jitted, v.shardings, v.log, None
+        moved = self._variant(call, batch, micro, layout)
+        return self._jit(moved), moved.shardings, moved.log, v.shardings
+
+    def _jit(self, v: Variant):
+        """`v`'s traced body under `jax.jit`, donating the state when the options say so."""
+        donate = (0,) if self.placement.config.donate else ()
+        return jax.jit(functools.partial(traced, v), donate_argnums=donate)
+
+    def _variant(self, call: StepCall, batch, micro: bool, layout: StateLayout) -> Variant:
+        """The variant of this compile key on `layout`, as a value its traced body reads."""
         rows = {np.shape(x)[0] for x in jax.tree_util.tree_leaves(batch) if np.ndim(x)}
         return Variant(
             placement=self.placement,

@@ -168,21 +168,29 @@ def stacks_only(calls: dict, params) -> dict:
     per time step on the same weights, so gathering it as a unit would gather them once per
     time step). An `nn.remat` block, which sees its parameters whole once, is a unit only by
     the other rules."""
-    stored = {
-        "/".join(str(getattr(k, "key", k)) for k in path): np.ndim(x)
-        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-
-    def stacked(call) -> bool:
-        prefix = f"{call.path}/" if call.path else ""
-        return any(stored.get(prefix + leaf, ndim) > ndim for leaf, ndim in call.param_ndims)
-
+    stored = dict(leaf_ndims(params))
+    stacked = lambda call: bool(_sliced(call, stored))  # noqa: E731
     return {
         path: dataclasses.replace(
             call, lifted=call.lifted and stacked(call), in_loop=call.in_loop and not stacked(call)
         )
         for path, call in calls.items()
     }
+
+
+def revealed_stacks(calls: dict, params) -> frozenset:
+    """The parameter paths (below `params`) some call in `calls` sees with fewer dims than
+    `params` stores them: a stack's layers lead them. The facts a step's calls give the layout
+    of a state Flax's build did not describe (`StateLayout.stacks`)."""
+    stored = dict(leaf_ndims(params))
+    return frozenset(path for call in calls.values() for path in _sliced(call, stored))
+
+
+def _sliced(call: ModuleCall, stored: dict) -> list:
+    """The paths of the parameters `call` sees with fewer dims than `stored` holds."""
+    prefix = f"{call.path}/" if call.path else ""
+    paths = [(prefix + leaf, ndim) for leaf, ndim in call.param_ndims]
+    return [path for path, ndim in paths if stored.get(path, ndim) > ndim]
 
 
 def select_units(calls: dict, units) -> frozenset:
