@@ -61,6 +61,7 @@ QUICK_TESTS = (
     "test_tpu_compile.py::test_without_libtpu_the_error_names_the_extra",
     "test_option_sweep.py::test_every_option_is_swept",
     "test_option_sweep.py::test_an_unused_option_is_named",
+    "test_stage0_invariant.py::test_every_module_class_the_suite_defines",
 )
 
 

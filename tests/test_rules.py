@@ -205,10 +205,12 @@ def test_a_state_placed_before_anything_says_where_its_stacks_are_moves_once_at_
     zero = zj.zero_shard(stage=stage)
     state = zero.shard(_stack_init(jax.random.key(0)))
     assert zero.layout(state).stacks is None
+    assert "layout: provisional" in str(zero.describe(state, show=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error", zj.ZeroWarning)  # no "split along its layers"
         state = _stack_run(zero, state)
     assert zero.layout(state).stacks == {STACKED}
+    assert not zero.describe(state, show=False).provisional
     wanted = P(None, "data") if stage == 3 else P()
     assert state.params["Scan_Residual_0"]["Dense_0"]["kernel"].sharding.spec == wanted
 

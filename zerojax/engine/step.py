@@ -236,8 +236,8 @@ class ZeroStep:
         provisional layout for the facts its calls reveal; where they re-decide it, the step
         compiles on the new one and the state moves there once, at this first call."""
         v = self._variant(call, batch, micro, self.layout(call.state.tree))
-        jitted, config = self._jit(v), self.placement.config
-        if v.layout.stacks is not None or not (config.uses_units and config.explicit_collectives):
+        jitted = self._jit(v)
+        if v.layout.stacks is not None or not self.placement.config.uses_units:  # stage 0
             return jitted, v.shardings, v.log, None
         with pmap_collectives_named(self.fn, self.placement.mesh.axis_names):
             jitted.trace(call.state.tree, batch, *call.extra)  # jit keeps the trace for the call

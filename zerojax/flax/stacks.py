@@ -6,8 +6,8 @@ watches the module calls of a Linen model's `init` (the init function `zero.init
 `zero.eval_shape` trace) with Flax's method interceptor and records the dims each lifted body
 saw; `stacked(seen, params)` compares them with the stored parameters. Where nothing was
 recorded (a state built elsewhere and placed with `zero.shard`, an NNX model, whose
-`nnx.vmap` leaves no trace at construction), the layout falls back to
-`core.rules.stacked_params`, which reads the stack from shapes.
+`nnx.vmap` leaves no trace at construction), the layout is provisional until the step's
+first compile: its calls reveal the stacks (`flax.units.revealed_stacks`), never the shapes.
 """
 
 from __future__ import annotations

@@ -47,6 +47,8 @@ class Description:
     rows: tuple
     devices: int
     stage: int
+    # nothing has said yet where the state's stacks of layers are: its first step decides
+    provisional: bool = False
 
     @property
     def replicated_fraction(self) -> float:
@@ -85,6 +87,12 @@ class Description:
         )
         for r in self.largest_replicated():
             lines.append(f"  {r.path} {r.shape} {r.total_bytes:,} bytes")
+        if self.provisional:
+            lines.append(
+                "layout: provisional (built where Flax did not say which parameters a lifted "
+                "transform stacks); the step's first call decides it from its calls and "
+                "moves the state once: zero.plan(state, step=step, batch=batch) decides it now"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -189,7 +197,9 @@ def describe(zero, state, tolerance: float | None = None, units: dict | None = N
     (a fraction) of the bytes the stage splits stays whole. (Why a share stays whole was
     said when `zero` first planned the state: `replication_warnings`.) `units`: {leaf path:
     its unit}, shown as a column when given."""
-    out = Description(tuple(leaf_rows(zero, state, units)), zero.mesh.size, zero.config.stage)
+    provisional = zero.config.shards_optimizer_state and zero.layout(state).stacks is None
+    rows = tuple(leaf_rows(zero, state, units))
+    out = Description(rows, zero.mesh.size, zero.config.stage, provisional)
     fraction = out.replicated_fraction
     if tolerance is not None and fraction > tolerance:
         names = ", ".join(

@@ -18,6 +18,7 @@ import re
 import tempfile
 
 import jax
+import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from zerojax.core import xla_flags
@@ -290,7 +291,13 @@ def _report(zero, step, args: tuple, dump_to: str | None, compile) -> Report:
     state, batch, *extra = args
     k = zero.config.accumulation_steps if zero.config.manages_update else 1
     call = split_call((state, batch, *extra), step.batch_argnum, step.static_argnums)
-    tree = call.state.tree  # NNX objects: their dict state
+    lowered = step.lower(state, batch, *extra)  # first: it decides a provisional layout
+    # the state as the step holds it (NNX objects: their dict state), on the decided layout
+    tree = jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s),
+        call.state.tree,
+        zero.state_shardings(call.state.tree),
+    )
     shapes = _param_shapes(
         [
             x
@@ -298,9 +305,7 @@ def _report(zero, step, args: tuple, dump_to: str | None, compile) -> Report:
             if p.category == PARAMS
         ]
     )
-    compiled, hlo, peak = compile_with_partitioned_hlo(
-        step.lower(state, batch, *extra), zero.mesh.size, shapes, compile
-    )
+    compiled, hlo, peak = compile_with_partitioned_hlo(lowered, zero.mesh.size, shapes, compile)
     optimized = compiled.as_text()  # the scheduled program: dumped, and read for overlap
     if dump_to:
         for suffix, text in (
