@@ -206,6 +206,12 @@ REFUSED = {
 }
 
 
+def assert_as_jit(name: str, got, want):
+    """`got` within the exact bound of `want` (the float32 bound for `FLOAT32_ISLANDS`)."""
+    bound = dict(rtol=PARITY_RTOL, atol=PARITY_ATOL) if name in FLOAT32_ISLANDS else {}
+    assert_trees_close(got, jax.device_get(want), **bound)
+
+
 def train(step, state, data):
     for batch in data:
         out = step(state, batch)
@@ -228,8 +234,7 @@ def test_stage_with_default_options_runs_the_suites_linen_model_as_jit_on_one_de
             zero.shard(start)
         zero = zj.zero_shard(stage=stage, **options)
     got = train(zero(step), zero.shard(start), data)
-    bound = dict(rtol=PARITY_RTOL, atol=PARITY_ATOL) if name in FLOAT32_ISLANDS else {}
-    assert_trees_close(got.params, jax.device_get(want.params), **bound)
+    assert_as_jit(name, got.params, want.params)
 
 
 # ---- NNX: objects and a step written as Flax's NNX docs write them ------------------------------
@@ -336,9 +341,7 @@ def test_stage_with_default_options_runs_the_suites_nnx_model_as_nnx_jit_on_one_
     got, zstep = zero.shard(nnx_objects(make_model)), zero(step)
     for batch in data:
         zstep(*got, batch)
-    bound = dict(rtol=PARITY_RTOL, atol=PARITY_ATOL) if name in FLOAT32_ISLANDS else {}
-    want = jax.device_get(nnx.state(want[0], nnx.Param))
-    assert_trees_close(nnx.state(got[0], nnx.Param), want, **bound)
+    assert_as_jit(name, nnx.state(got[0], nnx.Param), nnx.state(want[0], nnx.Param))
 
 
 # ---- the census ---------------------------------------------------------------------------------
