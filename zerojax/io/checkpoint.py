@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from zerojax.core.errors import ZeroError, warn
-from zerojax.core.rules import DEVICE, OPT_STATE, PARAMS, category_of, key_name
+from zerojax.core.rules import OPT_STATE, PARAMS, category_of, key_name
 from zerojax.engine.state import boundary
 from zerojax.io.checkpoint_health import (
     UnreadableStep,
@@ -449,9 +449,12 @@ def _assemble(abstract, shardings, wanted, restored, policy):
 
 
 def _place(value, leaf, sharding):
-    """`value` as `leaf`'s dtype in `sharding` (its memory kind included)."""
+    """`value` as `leaf`'s dtype in `sharding` (its memory kind included). A cast runs as one
+    compiled program from wherever `value` lives to `sharding`: a `device_put` of a pinned-host
+    array to device memory is refused by jax 0.12.1's CPU client (an offloaded master weight
+    restored into its 16-bit parameter)."""
     if _is_key(leaf):
         value = jax.random.wrap_key_data(value, impl=leaf.dtype._impl)
     elif np.dtype(value.dtype) != np.dtype(leaf.dtype):
-        value = jax.device_put(value, sharding.with_memory_kind(DEVICE)).astype(leaf.dtype)
+        return jax.jit(lambda v: v.astype(leaf.dtype), out_shardings=sharding)(value)
     return jax.device_put(value, sharding)
